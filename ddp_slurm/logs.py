@@ -1,0 +1,79 @@
+"""Logging and progress: rank 0 speaks, other ranks only when something is wrong.
+
+Every line carries the time; warnings and errors also carry rank and host, so a failure on rank 13
+of 64 is found in one grep. Interactive runs (stderr is a terminal) get a tqdm bar per epoch on rank
+0; batch runs (Slurm log files) get one plain line every ``log_every_s`` seconds, no carriage returns.
+tqdm rather than rich: it is small, imports fast (startup time matters to every rank) and degrades to
+nothing when told to.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+from typing import Any
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, rank: int, host: str) -> None:
+        super().__init__("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+        self.where = f"[rank {rank} {host}]"
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno >= logging.WARNING:
+            head, _, rest = text.partition(" ")
+            text = f"{head} {record.levelname} {self.where} {rest}"
+        return text
+
+
+def setup(rank: int, host: str | None = None) -> None:
+    """Root logger to stderr: INFO on rank 0, WARNING elsewhere. Safe to call again."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(rank, host or socket.gethostname()))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+class Progress:
+    """Per-epoch progress on rank 0: a bar on a terminal, plain lines every ``every_s`` otherwise."""
+
+    def __init__(self, enabled: bool, every_s: float, interactive: bool | None = None) -> None:
+        self.enabled = enabled
+        self.every_s = every_s
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self._bar: Any = None
+        self._last_line = time.monotonic()
+        self._log = logging.getLogger("ddp_slurm.progress")
+
+    def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:
+        if self.enabled and self.interactive:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}", unit="step",
+                             leave=False, dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, step: int, epoch: int, step_in_epoch: int, steps: int, loss: float | None,
+               samples_per_s: float | None, eta_s: float | None) -> None:
+        """Called every step with whatever figures are already on the host (no extra syncs)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(step_in_epoch - self._bar.n)
+            if loss is not None:
+                self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s or 0:,.0f}", refresh=False)
+            return
+        now = time.monotonic()
+        if now - self._last_line >= self.every_s:
+            self._last_line = now
+            figures = f" loss {loss:.4f}" if loss is not None else ""
+            figures += f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
+            figures += f" eta {eta_s / 60:.1f} min" if eta_s is not None else ""
+            self._log.info("epoch %d step %d/%d (global step %d)%s", epoch + 1, step_in_epoch, steps, step, figures)
+
+    def end_epoch(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,50 @@
+"""Stop signals as a flag: handlers record which signal came and do nothing else.
+
+No I/O, no collective, no exception from inside a handler: the training loop reads the flag at the
+next step boundary and all ranks agree (with one small all-reduce) on stopping at the same step.
+SIGTERM always means "checkpoint and stop"; the configured signal (SIGUSR2 by default, the one
+Slurm's ``--signal`` sends before the time limit) additionally means "requeue me".
+"""
+from __future__ import annotations
+
+import signal
+from types import FrameType
+from typing import Callable
+
+
+def parse_signal(name: str) -> signal.Signals:
+    """``"USR2"``, ``"SIGUSR2"`` or ``"12"`` -> ``signal.SIGUSR2``."""
+    text = name.strip().upper()
+    if text.isdigit():
+        return signal.Signals(int(text))
+    return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+
+
+class StopFlag:
+    """Installs handlers for ``requeue_signal`` and SIGTERM; ``restore()`` puts the old ones back."""
+
+    def __init__(self, requeue_signal: signal.Signals = signal.SIGUSR2) -> None:
+        self.requeue_signal = requeue_signal
+        self.requeue_requested = False  # the configured signal arrived (time limit / manual stop)
+        self.terminate_requested = False  # SIGTERM arrived (preemption, scancel, torchrun shutting down)
+        self._previous: dict[int, Callable | int | None] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM:
+            self.terminate_requested = True
+        else:
+            self.requeue_requested = True
+
+    @property
+    def requested(self) -> bool:
+        return self.requeue_requested or self.terminate_requested
+
+    def install(self) -> "StopFlag":
+        for sig in {self.requeue_signal, signal.SIGTERM}:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
