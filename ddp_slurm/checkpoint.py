@@ -100,6 +100,9 @@ def save(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise CheckpointError(f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
                               "free space or fix permissions, then launch again to resume") from None
+    except BaseException:  # anything else (a state pickle cannot write, KeyboardInterrupt): no half file left
+        tmp.unlink(missing_ok=True)
+        raise
     for _, old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
     return final

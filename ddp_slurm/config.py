@@ -214,7 +214,10 @@ def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     sections = _sections()
     section, _, name = key.partition(".")
     all_keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
-    if section not in sections or not name:
+    if section not in sections:
+        hint = _suggest(key, all_keys) or f" (sections are {', '.join(sections)})"
+        raise ConfigError(f"unknown config section {section!r} (key {key!r}) in {where}{hint}")
+    if not name:
         raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, all_keys)}")
     cls = sections[section]
     hints = typing.get_type_hints(cls)

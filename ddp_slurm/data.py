@@ -11,8 +11,10 @@ slice of the permutation and each rank takes its own disjoint part of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import logging
+import socket
 import sys
 from dataclasses import dataclass
 from importlib import resources
@@ -70,12 +72,33 @@ def _mnist_files_present(root: Path) -> bool:
     return all((raw / name).exists() for pair in _FILES.values() for name in pair)
 
 
-def download(root: Path) -> None:
+DOWNLOAD_TIMEOUT_S = 20.0  # per connect/read; without it a firewalled node waits minutes per mirror
+
+
+@contextlib.contextmanager
+def _socket_timeout(seconds: float):
+    """torchvision's urlopen calls pass no timeout; the process-wide default is the only handle on it."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: torchvision's download errors span several (one per mirror)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def download(root: Path, timeout_s: float = DOWNLOAD_TIMEOUT_S) -> None:
     """Fetch full MNIST into ``root/MNIST/raw`` with torchvision (checksummed, mirrors tried in turn)."""
     from torchvision.datasets import MNIST
 
-    for train in (True, False):
-        MNIST(str(root), train=train, download=True)
+    with _socket_timeout(timeout_s):
+        for train in (True, False):
+            MNIST(str(root), train=train, download=True)
 
 
 def load_mnist(root: Path, train: bool) -> Split:
@@ -100,7 +123,7 @@ def ensure_mnist(root: Path, allow_download: bool, is_main: bool) -> None:
     try:
         download(root)
     except Exception as exc:  # torchvision raises RuntimeError/URLError/OSError depending on the failure
-        raise DataError(f"could not download MNIST to {root} ({type(exc).__name__}): run "
+        raise DataError(f"could not download MNIST to {root} ({one_line(exc)}): run "
                         f"`python -m ddp_slurm.data download --root {root}` on a machine with internet") from None
 
 
@@ -148,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         download(args.root)
     except Exception as exc:
-        print(f"error: could not download MNIST to {args.root}: {exc}", file=sys.stderr)
+        print(f"error: could not download MNIST to {args.root}: {one_line(exc)}", file=sys.stderr)
         return 1
     print(f"MNIST ready under {args.root}/MNIST/raw; train with data.source=mnist data.root={args.root}")
     return 0

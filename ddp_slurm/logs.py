@@ -9,10 +9,15 @@ nothing when told to.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import sys
 import time
 from typing import Any
+
+# What gloo/NCCL say on a surviving rank when another rank has gone (crashed, killed, stopped answering).
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|timed out waiting|connection refused|"
+                        r"remote process exiting|communicator was aborted", re.IGNORECASE)
 
 
 class _Formatter(logging.Formatter):
@@ -35,6 +40,30 @@ def setup(rank: int, host: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """The gist (one line) if ``exc`` is a collective that failed because another rank went away, else None.
+
+    The rank that failed first logs its own traceback; a second traceback from every survivor would
+    only bury it, so survivors log this one line instead.
+    """
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if not _PEER_GONE.search(first):
+        return None
+    first = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", first)  # gloo's C++ source location
+    return first.split(". This is typically caused by")[0]
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: short enough for a log line, exact enough to plan by."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class Progress:
@@ -63,17 +92,34 @@ class Progress:
         if self._bar is not None:
             self._bar.update(step_in_epoch - self._bar.n)
             if loss is not None:
-                self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s or 0:,.0f}", refresh=False)
+                self._bar.set_postfix({"loss": f"{loss:.4f}", "samples/s": f"{samples_per_s or 0:,.0f}"}, refresh=False)
             return
         now = time.monotonic()
         if now - self._last_line >= self.every_s:
             self._last_line = now
             figures = f" loss {loss:.4f}" if loss is not None else ""
             figures += f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
-            figures += f" eta {eta_s / 60:.1f} min" if eta_s is not None else ""
+            figures += f" eta {_duration(eta_s)}" if eta_s is not None else ""
             self._log.info("epoch %d step %d/%d (global step %d)%s", epoch + 1, step_in_epoch, steps, step, figures)
 
     def end_epoch(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def rank_map(hosts: list[str]) -> str:
+    """``["a", "a", "b", "a"]`` (the host of each rank) -> ``"a: 0-1,3; b: 2"``, hosts in order of first rank."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    parts = []
+    for host, ranks in by_host.items():
+        runs: list[list[int]] = []
+        for r in ranks:
+            if runs and r == runs[-1][1] + 1:
+                runs[-1][1] = r
+            else:
+                runs.append([r, r])
+        parts.append(f"{host}: " + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs))
+    return "; ".join(parts)

@@ -4,6 +4,13 @@ No I/O, no collective, no exception from inside a handler: the training loop rea
 next step boundary and all ranks agree (with one small all-reduce) on stopping at the same step.
 SIGTERM always means "checkpoint and stop"; the configured signal (SIGUSR2 by default, the one
 Slurm's ``--signal`` sends before the time limit) additionally means "requeue me".
+
+Once the ranks have agreed to stop, the loop sets ``stopping`` and the entry point's ``close()``
+ignores the stop signals for the rest of the process's life instead of restoring the defaults:
+torchrun's agent sends SIGTERM to the remaining workers as soon as one of them has exited 75, and
+that second signal must not turn a clean, checkpointed stop into death by signal while the rank is
+still shutting down. It has to be SIG_IGN: Python's own shutdown (seconds, with torch loaded) resets
+every Python-level handler to the default first, but leaves ignored signals ignored.
 """
 from __future__ import annotations
 
@@ -21,12 +28,14 @@ def parse_signal(name: str) -> signal.Signals:
 
 
 class StopFlag:
-    """Installs handlers for ``requeue_signal`` and SIGTERM; ``restore()`` puts the old ones back."""
+    """Installs handlers for ``requeue_signal`` and SIGTERM; ``restore()`` puts the old ones back,
+    ``close()`` (entry points) restores them or, once ``stopping``, ignores further stop signals."""
 
     def __init__(self, requeue_signal: signal.Signals = signal.SIGUSR2) -> None:
         self.requeue_signal = requeue_signal
         self.requeue_requested = False  # the configured signal arrived (time limit / manual stop)
         self.terminate_requested = False  # SIGTERM arrived (preemption, scancel, torchrun shutting down)
+        self.stopping = False  # set by the loop once every rank agreed to stop (this rank's signal or a peer's)
         self._previous: dict[int, Callable | int | None] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -43,6 +52,16 @@ class StopFlag:
         for sig in {self.requeue_signal, signal.SIGTERM}:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def close(self) -> None:
+        """For the entry point, as it returns: ``restore()``, or, when ``stopping``, ignore the stop
+        signals until the process exits (see the module docstring)."""
+        if not self.stopping:
+            self.restore()
+            return
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+        self._previous.clear()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import random
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import bootstrap, checkpoint, config, data, engine, logs, models, slurm
+from . import bootstrap, checkpoint, config, data, engine, logs, models, slurm, watchdog
 from .bootstrap import BootstrapError, DistEnv
 from .config import Config, ConfigError
 from .metrics import MetricsWriter
@@ -41,12 +42,19 @@ class NonFiniteLoss(RuntimeError):
 
 # Errors whose message says it all: logged as one line, no traceback.
 EXPECTED_ERRORS = (checkpoint.CheckpointError, data.DataError, NonFiniteLoss, BootstrapError, RunLocked,
-                   bootstrap.RendezvousError)
+                   bootstrap.RendezvousError, watchdog.PeerLost)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints its usage block before a bad flag's error; every rank of a big job would repeat it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"ddp_slurm.train: error: {message} (see --help)\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ddp_slurm.train", description="Train one rank of a DDP run.",
-                                     epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3")
+    parser = _OneLineParser(prog="python -m ddp_slurm.train", description="Train one rank of a DDP run.",
+                            epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3")
     parser.add_argument("--config", type=Path, help="YAML job config (default: the bundled-sample defaults)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser.parse_args(argv)
@@ -77,6 +85,17 @@ def on_rank0(env: DistEnv, fn: Callable[[], Any]) -> Any:
     if status == "error":
         raise value
     return value
+
+
+def log_placement(env: DistEnv) -> None:
+    """Rank 0 logs once which host each rank runs on, grouped by host: the other ranks log only
+    warnings, and the rank map is the first thing to check when a multi-node job misbehaves."""
+    host = socket.gethostname()
+    hosts = [host] * env.world_size
+    if env.world_size > 1:
+        dist.all_gather_object(hosts, host)
+    if env.rank == 0:
+        log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
 
 
 def prepare_run_dir(cfg: Config, lock: RunLock) -> tuple[Path, dict[str, Any]] | None:
@@ -158,6 +177,7 @@ def train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: S
     t0 = time.monotonic()
     if cfg.train.precision == "bf16" and device.type != "cuda":
         raise UsageError("train.precision=bf16 needs CUDA; use train.precision=fp32 on CPU")
+    log_placement(env)
     lock = RunLock(cfg.run_dir)
     try:
         found = on_rank0(env, lambda: prepare_run_dir(cfg, lock))
@@ -203,7 +223,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
         set_rng_state(state["rng"], device)
         pos = Position(step=state["step"], epoch=state["epoch"], step_in_epoch=state["samples_in_epoch"] // G,
                        elapsed_s=state["elapsed_s"], best_accuracy=state["best_accuracy"], last_saved=state["step"])
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = engine.wrap_ddp(model, device, ws)  # the bare model for one process: nothing to all-reduce
     step_fn = engine.make_step(ddp, optimizer, scheduler, train_set.images, train_set.labels, cfg.train.precision)
 
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None)
@@ -219,8 +239,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
     flags = torch.zeros(3, device=device)
     loss_sum, loss_n, window_t, window_step = torch.zeros((), device=device), 0, time.monotonic(), pos.step
     last_loss = last_rate = None
-    perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch)
-    progress.start_epoch(pos.epoch, cfg.train.epochs, steps_per_epoch, pos.step_in_epoch)
+    perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch).to(device)  # batches index on the device
+    # this epoch's steps for the progress display: fewer than a full epoch where train.max_steps ends it early
+    epoch_steps = lambda: min(steps_per_epoch, pos.step_in_epoch + total_steps - pos.step)  # noqa: E731
+    progress.start_epoch(pos.epoch, cfg.train.epochs, epoch_steps(), pos.step_in_epoch)
 
     requeue, terminate, _ = sync_flags(stop, None, flags, ws)  # a signal that came before the first step
     while not (requeue or terminate) and pos.step < total_steps:
@@ -241,7 +263,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
             loss_sum.zero_()
             loss_n, window_t, window_step = 0, now, pos.step
         eta = (total_steps - pos.step) * G / last_rate if last_rate else None
-        progress.update(pos.step, pos.epoch, pos.step_in_epoch, steps_per_epoch, last_loss, last_rate, eta)
+        progress.update(pos.step, pos.epoch, pos.step_in_epoch, epoch_steps(), last_loss, last_rate, eta)
 
         if pos.step_in_epoch == steps_per_epoch or pos.step == total_steps:
             progress.end_epoch()
@@ -252,10 +274,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
                      cfg.train.epochs, f"{last_loss:.4f}" if last_loss is not None else "n/a", 100 * accuracy, images,
                      f"{last_rate:,.0f}" if last_rate else "n/a")
             pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
-            perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch)
+            perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch).to(device)
             save(finished=pos.step >= total_steps)
             if pos.step < total_steps:
-                progress.start_epoch(pos.epoch, cfg.train.epochs, steps_per_epoch, 0)
+                progress.start_epoch(pos.epoch, cfg.train.epochs, epoch_steps(), 0)
         elif cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0:
             save()
 
@@ -265,8 +287,14 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
                                 "no checkpoint holds these weights (lower train.lr?)")
 
     progress.end_epoch()
-    if requeue or terminate:
+    if (requeue or terminate) and pos.step < total_steps:
+        stop.stopping = True  # keep absorbing stop signals until the process exits (see signals.py)
         return stop_on_signal(cfg, env, pos, requeue and not terminate, save, metrics, elapsed())
+    if requeue or terminate:  # came during the last step or the final evaluation: the work is done, no requeue
+        log.info("stop signal after the last step: the run is finished, its final checkpoint is on disk")
+    # The work is done: a stop signal during the shutdown (Slurm's time-limit warning can land in it)
+    # must be absorbed, not kill a rank that has finished and turn a completed job into a failed one.
+    stop.stopping = True
     metrics.write("end", pos.step, pos.epoch, elapsed(), best_accuracy=pos.best_accuracy)
     metrics.close()
     log.info("finished: %d steps, best test accuracy %.2f%%, %.1f s; run directory %s", pos.step,
@@ -296,20 +324,30 @@ def stop_on_signal(cfg: Config, env: DistEnv, pos: Position, wants_requeue: bool
     return EXIT_STOPPED
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
+    """Train one rank; returns the exit code.
+
+    ``stop``: a StopFlag the caller already installed for ``slurm.signal`` (the submitit callable does,
+    before anything else runs, so that no stop signal reaches submitit's own handlers); main then
+    leaves installing and restoring it to the caller.
+    """
     args = parse_args(argv)
+    own_stop = stop is None
     try:
         cfg = config.load(args.config, args.overrides)
         env = DistEnv.from_environ(os.environ)
         check_world(cfg, env)
-        stop = StopFlag(parse_signal(cfg.slurm.signal))
+        if stop is None:
+            stop = StopFlag(parse_signal(cfg.slurm.signal))
     except (ConfigError, BootstrapError) as exc:
         print(f"ddp_slurm.train: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     logs.setup(env.rank)
-    stop.install()  # before the rendezvous: a signal at any time from here on is a clean stop
+    if own_stop:
+        stop.install()  # before the rendezvous: a signal at any time from here on is a clean stop
     try:
-        with bootstrap.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend):
+        with bootstrap.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend), \
+                watchdog.watch(env, ignore=EXPECTED_ERRORS + (UsageError,)):  # names a lost rank if one vanishes
             return train(cfg, env, device, backend, stop)
     except UsageError as exc:
         log.error("%s", exc)
@@ -317,11 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     except EXPECTED_ERRORS as exc:
         log.error("%s", exc)
         return EXIT_FAILURE
-    except Exception:
-        log.exception("training failed")
+    except Exception as exc:
+        gist = logs.collective_failure(exc)
+        if gist:  # a consequence: the rank that failed first has logged the traceback that matters
+            log.error("training failed: another rank stopped answering (its log says why): %s", gist)
+        else:
+            log.exception("training failed")
         return EXIT_FAILURE
     finally:
-        stop.restore()
+        if own_stop:
+            stop.close()  # a stopping rank ignores further stop signals until it has exited (see signals.py)
 
 
 if __name__ == "__main__":

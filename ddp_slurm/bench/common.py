@@ -1,0 +1,149 @@
+"""What every bench subcommand shares: the machine's description, statistics, the table and the JSON file."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+
+class BenchError(RuntimeError):
+    """A benchmark that cannot run as asked; the message says why and what to do (exit 2)."""
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name where the OS says it (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (cgroup/cpuset aware where the OS tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """1-minute load average: other work on the machine is the main source of noise in these figures."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
+                            "cpus": usable_cpus(), "python": platform.python_version(), "load_average_1m": load_average()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when there is a GPU, else CPU; asking for ``cuda`` without one is a usage error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda but torch sees no CUDA GPU: use --device cpu (or run on a GPU node)")
+    return torch.device(name)
+
+
+def set_threads(requested: int | None) -> int:
+    """Intra-op threads: ``requested``, else what ``ddp_slurm.train`` would use for one process."""
+    if requested is not None:
+        torch.set_num_threads(requested)
+        return requested
+    from .. import bootstrap
+
+    return bootstrap.configure_threads(bootstrap.DistEnv.from_environ({}), os.environ)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work: timings must cover the work, not just its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn`` takes, device work included."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    """Median and spread (min, max, and max-min relative to the median) of repeated measurements."""
+    med = statistics.median(values)
+    return {"median": med, "min": min(values), "max": max(values),
+            "spread": (max(values) - min(values)) / med if med else 0.0, "values": list(values)}
+
+
+def scaled(s: Mapping[str, Any], factor: float) -> dict[str, Any]:
+    """A summary in other units (the relative spread is unchanged)."""
+    return {"median": s["median"] * factor, "min": s["min"] * factor, "max": s["max"] * factor,
+            "spread": s["spread"], "values": [v * factor for v in s["values"]]}
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def fmt_spread(s: Mapping[str, Any], digits: int = 0) -> list[str]:
+    """Table cells: median, min-max, relative spread."""
+    return [fmt(s["median"], digits), f"{fmt(s['min'], digits)}-{fmt(s['max'], digits)}", f"{100 * s['spread']:.0f}%"]
+
+
+def table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str]], notes: Iterable[str] = ()) -> str:
+    """A plain-text table: first column left-aligned, the figures right-aligned."""
+    rows = [list(map(str, r)) for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [title, line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    out += [f"  {n}" for n in notes]
+    return "\n".join(out)
+
+
+def report(payload: dict[str, Any], text: str, json_path: Path | None) -> None:
+    """Print the table; write the JSON (header + figures) where asked."""
+    print(text, flush=True)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {json_path}", file=sys.stderr)
+
+
+def header(command: str, device: torch.device | str, threads: int, **params: Any) -> dict[str, Any]:
+    """The part of every JSON file that says where and how it was measured."""
+    return {"command": command, "machine": machine(), "torch": torch.__version__, "threads": threads,
+            "device": str(device), "params": params}
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for benchmark child processes: no launcher variables of the job this runs in,
+    so a child started inside a Slurm step or torchrun does not take itself for one of its ranks."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                         "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env

@@ -1,0 +1,128 @@
+"""``python -m ddp_slurm.launch [torchrun options] -m ddp_slurm.train ...``: torchrun that survives Slurm's stop signal.
+
+Why it exists: Slurm delivers ``--signal=USR2@N`` and ``scancel --signal=USR2`` to every process of
+the job step, so under ``srun torchrun ...`` both the training workers and the torchrun agent that
+started them get SIGUSR2. The agent handles only TERM, INT, HUP and QUIT; SIGUSR1/SIGUSR2 keep their
+default action, which terminates it. The agent then dies at the moment the workers begin their
+checkpoint, srun sees a task killed by a signal and (``--kill-on-bad-exit``) kills the whole step:
+no checkpoint, no requeue.
+
+What it does, before importing torch (so the window in which the signal is still fatal is a few
+milliseconds of interpreter start-up):
+
+* catches SIGUSR1 and SIGUSR2 in the agent and passes each one on to the agent's worker processes.
+  Under Slurm the workers got their own copy already and a second one changes nothing (the request
+  is a flag); forwarding makes a signal sent to the agent alone (``kill -USR2 <agent pid>``, other
+  schedulers) reach the workers too;
+* runs torchrun's own ``run`` with the arguments unchanged;
+* exits 75 when every worker of this node exited 75 ("stopped after a checkpoint, launch again to
+  resume"), instead of torchrun's failure report and exit 1, so the job's exit status says what
+  happened.
+
+SIGTERM stays with torchrun: it passes it on to the workers and gives them ``--shutdown-timeout``
+seconds (default 30) to write their checkpoint and exit before it kills them.
+
+Recent torch versions can also be told ``--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2``;
+the agent then forwards SIGUSR2 as well, but treats it as a shutdown: it kills workers still busy
+after the shutdown timeout and exits with a traceback. This launcher lets the workers end on their
+own and works with every torch release the package supports.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Iterable
+
+log = logging.getLogger("ddp_slurm.launch")
+
+# ddp_slurm.train's exit code for "stopped on a signal after writing a checkpoint" (kept here so
+# that the agent does not import the training code).
+EXIT_STOPPED = 75
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def child_pids(parent: int) -> list[int]:
+    """Pids of the direct children of ``parent`` (Linux /proc); torchrun's workers are children of the agent."""
+    children = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == parent:
+            children.append(int(entry.name))
+    return children
+
+
+class SignalForwarder:
+    """Handlers that pass ``signals`` on to this process's children instead of letting them kill it."""
+
+    def __init__(self, signals: Iterable[signal.Signals] = FORWARDED_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.received: list[signal.Signals] = []
+
+    def install(self) -> "SignalForwarder":
+        for sig in self.signals:
+            signal.signal(sig, self._forward)
+        return self
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        self.received.append(sig)
+        sent = 0
+        for pid in child_pids(os.getpid()):
+            try:
+                os.kill(pid, sig)
+                sent += 1
+            except ProcessLookupError:
+                pass
+        # os.write, not logging: a handler may interrupt the main thread inside a logging call.
+        what = f"passed on to {sent} worker process(es)" if sent else "no worker is running yet: dropped"
+        os.write(2, f"launch [{socket.gethostname()}]: {sig.name} {what}\n".encode())
+
+
+def _stopped(exc) -> bool:
+    """True when this node's workers stopped cleanly: each exited 75, or was ended by the SIGTERM that
+    torchrun sends to the rest of the group as soon as one worker has exited (at least one exited 75)."""
+    codes = [f.exitcode for f in exc.failures.values()]
+    return EXIT_STOPPED in codes and all(code in (EXIT_STOPPED, -signal.SIGTERM) for code in codes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with ``argv`` (default: the command line); returns the exit status."""
+    SignalForwarder().install()  # first: until this line SIGUSR2 would kill the agent
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s launch [{socket.gethostname()}]: %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+    @record
+    def launch(args) -> int:
+        try:
+            torchrun.run(args)
+        except ChildFailedError as exc:
+            if _stopped(exc):
+                log.info("all workers stopped on a signal after a checkpoint: exit %d (launch again to resume)",
+                         EXIT_STOPPED)
+                return EXIT_STOPPED
+            raise
+        return 0
+
+    return launch(torchrun.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

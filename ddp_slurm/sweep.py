@@ -1,0 +1,148 @@
+"""Sweeps for ``python -m ddp_slurm.submit --sweep KEY=V1,V2,...``: their points, names and summary.
+
+A sweep named ``NAME`` lives in ``<output_root>/NAME/``: ``sweep.json`` (what was submitted), the
+submitit logs under ``submitit/`` and one ordinary run directory per point, named after the swept
+values (``lr=1e-3``; several ``--sweep`` flags make a grid: ``lr=1e-3,global_batch_size=256``).
+Each point is a complete run: it resumes, requeues and reports like any other.
+
+``summarize`` reads a run's ``metrics.jsonl`` (no torch needed) and ``format_table`` lines runs up
+side by side; ``python -m ddp_slurm.submit --summary DIR`` prints it for a sweep or a single run.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from . import metrics
+from .config import ConfigError
+
+SWEEP_FILE = "sweep.json"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of a sweep: its run name (a directory under the sweep) and the overrides that make it."""
+    name: str
+    overrides: tuple[str, ...]
+
+
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+    """``"train.lr=1e-3,3e-3"`` -> ``("train.lr", ["1e-3", "3e-3"])``; values are kept as typed."""
+    key, sep, raw = spec.partition("=")
+    key = key.strip()
+    values = [v.strip() for v in raw.split(",")]
+    if not sep or "." not in key or not all(values):
+        raise ConfigError(f"bad --sweep {spec!r}: expected KEY=V1,V2,... with a dotted key, e.g. train.lr=1e-3,3e-3")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"bad --sweep {spec!r}: a value is listed twice")
+    return key, values
+
+
+def _safe(text: str) -> str:
+    """A value as it may appear in a directory name (no '/', no spaces or shell-special characters)."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def points(specs: Iterable[str]) -> list[Point]:
+    """The grid of all ``--sweep`` flags (one flag: one point per value), in the order given."""
+    axes = [parse_sweep(s) for s in specs]
+    keys = [k for k, _ in axes]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"--sweep names the same key twice ({', '.join(keys)}): list all its values in one flag")
+    short = [k.rsplit(".", 1)[1] for k in keys]
+    labels = short if len(set(short)) == len(short) else keys  # full keys only where the short ones clash
+    out = []
+    for combo in itertools.product(*(values for _, values in axes)):
+        name = ",".join(f"{label}={_safe(v)}" for label, v in zip(labels, combo))
+        out.append(Point(name, tuple(f"{k}={v}" for k, v in zip(keys, combo))))
+    if len({p.name for p in out}) != len(out):
+        raise ConfigError("--sweep values differ only in characters a directory name cannot hold: "
+                          "use values that differ in letters, digits, '.', '+' or '-'")
+    return out
+
+
+def write_manifest(sweep_dir: Path, job_id: str, pts: list[Point], base_overrides: list[str]) -> None:
+    """``sweep.json``: the job and, per array task, the run it trains (read back by ``--summary``)."""
+    data = {"job_id": job_id, "overrides": base_overrides,
+            "runs": [{"task": i, "name": p.name, "overrides": list(p.overrides)} for i, p in enumerate(pts)]}
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    tmp = sweep_dir / (SWEEP_FILE + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(sweep_dir / SWEEP_FILE)
+
+
+@dataclass
+class RunSummary:
+    """Where a run stands, from its metrics.jsonl."""
+    name: str
+    run_dir: str
+    status: str  # "pending" (nothing written yet), "running", "stopped", "finished"
+    step: int = 0
+    epoch: int = 0
+    final_accuracy: float | None = None  # the last evaluation
+    best_accuracy: float | None = None
+    restarts: int = 0  # launches after the first (requeues and relaunches)
+    time_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(run_dir: Path, name: str | None = None) -> RunSummary:
+    """Read ``run_dir/metrics.jsonl``: status, last step, last and best test accuracy, launches."""
+    run_dir = Path(run_dir)
+    out = RunSummary(name or run_dir.name, str(run_dir), "pending")
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return out
+    starts = 0
+    for row in metrics.read(path):
+        kind = row.get("kind")
+        out.step, out.epoch, out.time_s = row.get("step", out.step), row.get("epoch", out.epoch), row.get("time_s", 0.0)
+        if kind == "start":
+            starts += 1
+            out.status = "running"
+        elif kind == "eval":
+            out.final_accuracy = row["accuracy"]
+            out.best_accuracy = max(out.best_accuracy or 0.0, row["accuracy"])
+        elif kind == "stop":
+            out.status = "stopped"
+        elif kind == "end":
+            out.status = "finished"
+    out.restarts = max(0, starts - 1)
+    return out
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def format_table(rows: list[RunSummary], columns: dict[str, list[str]] | None = None) -> str:
+    """Runs side by side; ``columns`` adds one column per swept key (header -> value per row)."""
+    columns = columns or {}
+    header = ["run", *columns, "status", "steps", "final acc", "best acc", "restarts", "time"]
+    body = [[r.name, *(vals[i] for vals in columns.values()), r.status, str(r.step), _pct(r.final_accuracy),
+             _pct(r.best_accuracy), str(r.restarts), f"{r.time_s:.0f}s"] for i, r in enumerate(rows)]
+    widths = [max(len(line[c]) for line in [header, *body]) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *body])
+
+
+def summary_text(path: Path) -> str:
+    """The table for a sweep directory (with ``sweep.json``) or a single run directory."""
+    path = Path(path)
+    manifest = path / SWEEP_FILE
+    if manifest.is_file():
+        data = json.loads(manifest.read_text())
+        runs = data["runs"]
+        keys = [o.partition("=")[0] for o in runs[0]["overrides"]] if runs else []
+        columns = {k: [r["overrides"][i].partition("=")[2] for r in runs] for i, k in enumerate(keys)}
+        rows = [summarize(path / r["name"], r["name"]) for r in runs]
+        head = f"sweep {path} (job {data['job_id']}, {len(rows)} runs)"
+        return head + "\n" + format_table(rows, columns)
+    if (path / "config.yaml").is_file() or (path / "metrics.jsonl").is_file():
+        return format_table([summarize(path)])
+    raise ConfigError(f"{path} is neither a sweep directory (no {SWEEP_FILE}) nor a run directory (no config.yaml)")

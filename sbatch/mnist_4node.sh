@@ -1,0 +1,94 @@
+#!/bin/bash
+# MNIST DDP on 4 nodes, one training process (rank) per GPU, launched by srun.
+#
+#   source .venv/bin/activate                 # the environment the job should use (see below)
+#   sbatch sbatch/mnist_4node.sh              # from the project directory
+#   sbatch sbatch/mnist_4node.sh train.epochs=2 run.name=try2     # KEY=VALUE config overrides
+#   sbatch --nodes=2 sbatch/mnist_4node.sh    # sbatch options on the command line beat the #SBATCH lines
+#   tail -f mnist-4node-<jobid>.out           # the log, in the directory you submitted from
+#
+# Lines starting with "#SBATCH" are options for sbatch, read before the job starts (bash sees
+# comments). Change them here or override any of them on the sbatch command line.
+#
+#SBATCH --job-name=mnist-4node
+#   4 machines. Fewer or more work unchanged: the ranks and batch split follow the allocation.
+#SBATCH --nodes=4
+#   One task (= one rank) per GPU: keep these two numbers equal.
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#   CPU cores per rank; torch uses this many threads. Keep tasks x cpus <= the cores of a node.
+#SBATCH --cpus-per-task=8
+#   Wall-clock limit (HH:MM:SS). The job is stopped when it runs out, so see --signal below.
+#SBATCH --time=01:00:00
+#   120 s before the time limit Slurm sends SIGUSR2 to the training processes: they finish the
+#   current step, write a checkpoint, and rank 0 requeues the job, which later resumes exactly
+#   where it stopped. Give the checkpoint time: raise 120 for big models or slow file systems.
+#SBATCH --signal=USR2@120
+#   Allow the job to be put back in the queue (by the training itself or by a preemption).
+#SBATCH --requeue
+#   A requeued job appends to its log instead of overwriting the first run's output.
+#SBATCH --open-mode=append
+#   The log: <job name>-<job id>.out in the directory sbatch was run from (which always exists;
+#   sbatch does not create directories, so a path like logs/%x-%j.out needs `mkdir -p logs` first).
+#SBATCH --output=%x-%j.out
+#   Most clusters want a partition and an account: uncomment and fill in (`sinfo` lists partitions,
+#   `sacctmgr show assoc user=$USER` your accounts).
+##SBATCH --partition=gpu
+##SBATCH --account=my-project
+#
+# Which Python: the job inherits the environment you submitted from (sbatch copies it), so
+# activate the project's venv first, or load your site's modules here (e.g. `module load
+# python/3.11 cuda/12.4` followed by `source /path/to/venv/bin/activate`), or set
+# DDP_SLURM_PYTHON=/path/to/venv/bin/python. The job uses `python` from PATH otherwise.
+#
+# Paths: the job runs in the directory you submitted from; relative paths in the config
+# (run.output_root, data.root) are relative to it. The config is jobs/mnist.yaml of the project
+# (found from the submit directory or the installed package); `--config FILE` as the first
+# argument after the script name replaces it.
+set -uo pipefail
+
+PYTHON=$(command -v "${DDP_SLURM_PYTHON:-python}") || {
+    echo "error: no '${DDP_SLURM_PYTHON:-python}' on PATH: activate the project's environment before sbatch, or set DDP_SLURM_PYTHON=/path/to/venv/bin/python" >&2
+    exit 2
+}
+# sbatch runs a copy of this script from its spool directory, so the project is found from the
+# submit directory (or a parent of it) or, failing that, from wherever Python imports the package.
+PROJECT=""
+dir=${SLURM_SUBMIT_DIR:-$PWD}
+while [ -z "$PROJECT" ] && [ "$dir" != / ]; do
+    [ -f "$dir/ddp_slurm/train.py" ] && [ -d "$dir/jobs" ] && PROJECT=$dir
+    dir=$(dirname "$dir")
+done
+if [ -n "$PROJECT" ]; then
+    export PYTHONPATH="$PROJECT${PYTHONPATH:+:$PYTHONPATH}"
+else
+    PROJECT=$("$PYTHON" -c 'import ddp_slurm, pathlib; print(pathlib.Path(ddp_slurm.__file__).resolve().parents[1])' 2>/dev/null)
+fi
+if ! "$PYTHON" -c 'import ddp_slurm' 2>/dev/null; then
+    echo "error: $PYTHON cannot import ddp_slurm: activate the environment it is installed in before sbatch, set DDP_SLURM_PYTHON, or submit from the project directory" >&2
+    exit 2
+fi
+CONFIG=${PROJECT:+$PROJECT/jobs/mnist.yaml}
+if [ "${1:-}" = --config ]; then
+    CONFIG=$2
+    shift 2
+elif [ ! -f "$CONFIG" ]; then
+    echo "error: cannot find the project's jobs/mnist.yaml: submit from the project directory or pass --config FILE" >&2
+    exit 2
+fi
+
+# One line about the job at the top of every run (a requeued job appends a new one).
+echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s): ${SLURM_JOB_NODELIST}; python ${PYTHON}; config ${CONFIG}; started $(date '+%F %T')"
+
+# srun starts one task per allocated slot (nodes x ntasks-per-node); each becomes one rank and reads
+# its rank and the rendezvous address from Slurm's variables.
+# --kill-on-bad-exit=1: if one rank fails, stop all of them at once instead of leaving the others
+#   waiting in a collective until a timeout.
+# --cpus-per-task: spelled out because srun of some Slurm versions (22.05) ignores the job's value.
+srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    "$PYTHON" -m ddp_slurm.train --config "$CONFIG" "$@"
+status=$?
+# 0: finished. 75: stopped on the signal after a checkpoint (the job is already requeued when
+# rank 0 could do it). Anything else: a failure, the reason is in the lines above.
+echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0}: training exited with ${status} at $(date '+%F %T')"
+exit "$status"

@@ -1,0 +1,105 @@
+#!/bin/bash
+# MNIST DDP on 4 nodes the other common way: one torchrun agent per node (started by srun), and
+# each agent starts one training process per GPU of its node.
+#
+#   source .venv/bin/activate                 # the environment the job should use (see below)
+#   sbatch sbatch/mnist_torchrun.sh           # from the project directory
+#   sbatch sbatch/mnist_torchrun.sh train.epochs=2 run.name=try2  # KEY=VALUE config overrides
+#   sbatch --nodes=2 sbatch/mnist_torchrun.sh # sbatch options on the command line beat the #SBATCH lines
+#   tail -f mnist-torchrun-<jobid>.out        # the log, in the directory you submitted from
+#
+# Lines starting with "#SBATCH" are options for sbatch (bash sees comments). Change them here or
+# override any of them on the sbatch command line.
+#
+#SBATCH --job-name=mnist-torchrun
+#SBATCH --nodes=4
+#   One task per node: the torchrun agent. It starts the training processes itself.
+#SBATCH --ntasks-per-node=1
+#   GPUs per node; the agent starts one training process per GPU it is given.
+#SBATCH --gpus-per-node=4
+#   All the cores of a node you want to use, shared by its training processes
+#   (each gets cpus-per-task / GPUs threads).
+#SBATCH --cpus-per-task=32
+#   Wall-clock limit (HH:MM:SS).
+#SBATCH --time=01:00:00
+#   120 s before the time limit Slurm sends SIGUSR2 to every process of the job step: the
+#   training processes checkpoint and rank 0 requeues the job, which later resumes exactly.
+#   torchrun's agent would die of SIGUSR2, so it is started through `python -m ddp_slurm.launch`,
+#   which keeps it alive, passes the signal on to the training processes and exits 75 with them.
+#SBATCH --signal=USR2@120
+#   Allow the job to be put back in the queue (by the training itself or by a preemption).
+#SBATCH --requeue
+#   A requeued job appends to its log instead of overwriting the first run's output.
+#SBATCH --open-mode=append
+#   The log: <job name>-<job id>.out in the directory sbatch was run from (which always exists;
+#   sbatch does not create directories, so a path like logs/%x-%j.out needs `mkdir -p logs` first).
+#SBATCH --output=%x-%j.out
+#   Most clusters want a partition and an account: uncomment and fill in.
+##SBATCH --partition=gpu
+##SBATCH --account=my-project
+#
+# Which Python: the job inherits the environment you submitted from (sbatch copies it), so
+# activate the project's venv first, or load your site's modules here, or set
+# DDP_SLURM_PYTHON=/path/to/venv/bin/python. The job uses `python` from PATH otherwise.
+# Training processes per node: DDP_SLURM_NPROC_PER_NODE, else the GPUs Slurm gave the node, else 1.
+#
+# Paths: the job runs in the directory you submitted from; relative paths in the config are
+# relative to it. The config is jobs/mnist.yaml of the project; `--config FILE` as the first
+# argument after the script name replaces it.
+set -uo pipefail
+
+PYTHON=$(command -v "${DDP_SLURM_PYTHON:-python}") || {
+    echo "error: no '${DDP_SLURM_PYTHON:-python}' on PATH: activate the project's environment before sbatch, or set DDP_SLURM_PYTHON=/path/to/venv/bin/python" >&2
+    exit 2
+}
+# sbatch runs a copy of this script from its spool directory, so the project is found from the
+# submit directory (or a parent of it) or, failing that, from wherever Python imports the package.
+PROJECT=""
+dir=${SLURM_SUBMIT_DIR:-$PWD}
+while [ -z "$PROJECT" ] && [ "$dir" != / ]; do
+    [ -f "$dir/ddp_slurm/train.py" ] && [ -d "$dir/jobs" ] && PROJECT=$dir
+    dir=$(dirname "$dir")
+done
+if [ -n "$PROJECT" ]; then
+    export PYTHONPATH="$PROJECT${PYTHONPATH:+:$PYTHONPATH}"
+else
+    PROJECT=$("$PYTHON" -c 'import ddp_slurm, pathlib; print(pathlib.Path(ddp_slurm.__file__).resolve().parents[1])' 2>/dev/null)
+fi
+if ! "$PYTHON" -c 'import ddp_slurm' 2>/dev/null; then
+    echo "error: $PYTHON cannot import ddp_slurm: activate the environment it is installed in before sbatch, set DDP_SLURM_PYTHON, or submit from the project directory" >&2
+    exit 2
+fi
+CONFIG=${PROJECT:+$PROJECT/jobs/mnist.yaml}
+if [ "${1:-}" = --config ]; then
+    CONFIG=$2
+    shift 2
+elif [ ! -f "$CONFIG" ]; then
+    echo "error: cannot find the project's jobs/mnist.yaml: submit from the project directory or pass --config FILE" >&2
+    exit 2
+fi
+
+NPROC=${DDP_SLURM_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+# Threads per training process: the task's cores shared out, so processes never oversubscribe a node.
+CPUS=${SLURM_CPUS_PER_TASK:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS / NPROC > 0 ? CPUS / NPROC : 1 ))}
+# The rendezvous: a TCP store that the agent on the job's first node starts, on a port derived from
+# the job id (two jobs sharing a node do not collide, a requeued job gets the same one), and the
+# job id as rendezvous id, so agents of different jobs can never join each other.
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 12000 ))
+
+echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s): ${SLURM_JOB_NODELIST}; ${NPROC} process(es) per node, ${OMP_NUM_THREADS} thread(s) each; rendezvous ${HEAD}:${RDZV_PORT}; python ${PYTHON}; config ${CONFIG}; started $(date '+%F %T')"
+
+# --ntasks/--ntasks-per-node: one agent per node, whatever task count the job was given.
+# --kill-on-bad-exit=1: if one node fails, stop the others instead of leaving them waiting.
+# --cpus-per-task: spelled out because srun of some Slurm versions (22.05) ignores the job's value.
+srun --kill-on-bad-exit=1 --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" \
+    "$PYTHON" -m ddp_slurm.launch \
+        --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC" \
+        --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
+        -m ddp_slurm.train --config "$CONFIG" "$@"
+status=$?
+# 0: finished. 75: stopped on the signal after a checkpoint (the job is already requeued when
+# rank 0 could do it). Anything else: a failure, the reason is in the lines above.
+echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0}: training exited with ${status} at $(date '+%F %T')"
+exit "$status"

@@ -1,0 +1,176 @@
+"""``python -m ddp_slurm.bench``: every subcommand runs end to end with tiny sizes and reports sane figures.
+
+No timing assertions: the machines that run the suite are shared and noisy. What is checked is the
+structure of the table and of the JSON (the stable keys the README quotes), that the figures are
+positive and finite, and the pieces the figures rest on: the seed pipeline reads the same images as
+ddp_slurm, the FLOP counts, and that training never imports what it does not need.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_slurm import config, data, engine, models
+from ddp_slurm.bench import limit, loader
+
+from conftest import base_env
+
+HEADER_KEYS = {"command", "machine", "torch", "threads", "device", "params"}
+
+
+def bench(tmp_path: Path, *args: str, timeout: float = 900) -> tuple[dict, str]:
+    """Run ``python -m ddp_slurm.bench ARGS --json FILE``; return (JSON, stdout)."""
+    out = tmp_path / f"{args[0]}.json"
+    res = subprocess.run([sys.executable, "-m", "ddp_slurm.bench", args[0], "--json", str(out), *args[1:]],
+                         cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    payload = json.loads(out.read_text())
+    assert HEADER_KEYS <= payload.keys(), payload.keys()
+    assert payload["command"] == args[0] and payload["torch"] == torch.__version__
+    assert payload["threads"] >= 1 and payload["machine"]["cpus"] >= 1
+    return payload, res.stdout
+
+
+def positive(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_loader_smoke(tmp_path: Path) -> None:
+    p, text = bench(tmp_path, "loader", "--model", "mlp", "--batch", "32", "--samples", "96", "--rounds", "2",
+                    "--warmup", "1", "--device", "cpu")
+    assert p["device"] == "cpu" and p["params"]["samples_per_round"] == 96
+    for key in ("seed_samples_per_s", "ddp_slurm_samples_per_s"):
+        s = p[key]
+        assert len(s["values"]) == 2 and all(positive(v) for v in s["values"])
+        assert s["min"] <= s["median"] <= s["max"]
+    assert positive(p["ratio"]) and len(p["ratio_per_round"]) == 2
+    assert p["ratio"] == pytest.approx(p["ddp_slurm_samples_per_s"]["median"] / p["seed_samples_per_s"]["median"])
+    assert "seed-style" in text and "ddp_slurm" in text and f"{p['ratio']:.1f}x" in text
+
+
+def test_limit_smoke(tmp_path: Path) -> None:
+    p, text = bench(tmp_path, "limit", "--model", "mlp", "--batch", "32", "--rounds", "2", "--seconds", "0.05",
+                    "--device", "cpu")
+    assert p["forward_flops_per_sample"] == models.build("mlp").flops_per_sample()
+    assert p["training_flops_per_sample"] == 3 * p["forward_flops_per_sample"]
+    # the first layer needs no input gradient: the counted step is ~2x forward, not 3x
+    assert 1.9 < p["counted_training_flops_per_sample"] / p["forward_flops_per_sample"] < 2.2
+    assert positive(p["matmul_flops_per_s"]["median"]) and positive(p["samples_per_s"]["median"])
+    assert 0 < p["fraction_of_limit"] < 10 and 0 < p["fraction_of_limit_counted"] < p["fraction_of_limit"]
+    assert "fraction of the compute-bound limit" in text
+
+
+def test_ddp_smoke(tmp_path: Path) -> None:
+    p, text = bench(tmp_path, "ddp", "--model", "mlp", "--batch", "16", "--steps", "3", "--windows", "1",
+                    "--repeats", "1", "--warmup", "1", "--device", "cpu")
+    for n in (1, 2):
+        r = p[f"ranks_{n}"]
+        assert r["backend"] == "gloo" and r["threads_per_rank"] == p["threads"]
+        assert positive(r["per_rank_samples_per_s"]["median"]) and positive(r["step_s"])
+        assert positive(r["compute_s"]) and r["allreduce_exposed_s"] >= 0 and positive(r["allreduce_alone_s"])
+    assert positive(p["efficiency"])
+    assert "weak-scaling efficiency" in text and "threads:" in text
+
+
+def test_startup_smoke(tmp_path: Path) -> None:
+    p, text = bench(tmp_path, "startup", "--repeats", "1", "model.name=mlp")
+    assert positive(p["import_torch_s"]["median"]) and positive(p["first_step_s"]["median"])
+    # the first step comes after importing torch, in a process that also imports it
+    assert p["first_step_s"]["median"] > 0.5 * p["import_torch_s"]["median"]
+    assert p["startup_ratio"] == pytest.approx(p["first_step_s"]["median"] / p["import_torch_s"]["median"])
+    assert "import torch" in text and "first optimizer step" in text
+
+
+def test_tta_smoke(tmp_path: Path) -> None:
+    """A low target the mlp reaches in its first epoch, and one no run can reach."""
+    p, text = bench(tmp_path, "tta", "--target", "0.5", "--seeds", "0", "1", "model.name=mlp", "train.epochs=2")
+    assert [r["seed"] for r in p["runs"]] == [0, 1] and p["reached"] == 2
+    for r in p["runs"]:
+        assert r["accuracy"] >= 0.5 and r["epochs"] == 1 and positive(r["seconds"])
+    assert positive(p["seconds_to_target"]) and p["seconds_to_target_stdev"] >= 0
+    assert "seconds to target" in text
+
+    p, text = bench(tmp_path, "tta", "--target", "1.0", "--seeds", "0", "model.name=mlp", "train.epochs=1",
+                    "train.max_steps=3")
+    assert p["reached"] == 0 and p["seconds_to_target"] is None and p["runs"][0]["accuracies"]
+    assert "not reached" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tta", "--target", "2"], "--target 2"),
+    (["loader", "--batch", "0"], "--batch 0"),
+    (["limit", "--threads", "0"], "--threads 0"),
+])
+def test_bad_arguments_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    res = subprocess.run([sys.executable, "-m", "ddp_slurm.bench", *args], cwd=tmp_path, env=base_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr.strip().splitlines()[-1] and "Traceback" not in res.stderr, res.stderr
+
+
+def test_seed_pipeline_reads_the_same_digits(tmp_path: Path) -> None:
+    """The seed pipeline's torchvision.datasets.MNIST sees exactly ddp_slurm's sample, normalised the same way."""
+    from torchvision import datasets
+
+    root = loader.write_torchvision_layout(tmp_path)
+    train = data.load_sample(train=True)
+    ds = datasets.MNIST(str(root), train=True, download=False)
+    assert torch.equal(ds.data, train.images) and torch.equal(ds.targets, train.labels)
+    seed = loader.SeedPipeline(root, "mlp", "adam", 8, 1e-3, torch.device("cpu"), workers=0, seed=0)
+    x, _ = seed.loader.dataset[3]
+    assert torch.allclose(x, data.normalize(train.images[3:4])[0], atol=1e-5)
+
+
+def test_cnn_flops_counted_by_torch_match_the_model() -> None:
+    fwd, counted = limit.forward_and_training_flops("cnn", 4)
+    assert fwd == models.build("cnn").flops_per_sample()
+    assert 2.5 * fwd < counted <= 3 * fwd  # the first conv needs no input gradient
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_eager_optimizers_compute_what_torch_computes(name: str) -> None:
+    """engine.make_optimizer's classes only skip torch.compile guards: bit-identical weights after 5 steps."""
+    split = data.load_sample(train=True)
+    cfg = config.load(overrides=[f"train.optimizer={name}"]).train
+    torch_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
+    weights, flags = [], {}
+    for ours in (True, False):
+        torch.manual_seed(0)
+        model = models.build("cnn")
+        if ours:
+            opt = engine.make_optimizer(cfg, model.parameters(), torch.device("cpu"))
+            assert isinstance(opt, torch_class) and type(opt).__name__ == torch_class.__name__
+            flags = {k: opt.defaults[k] for k in ("fused", "foreach")}
+        else:
+            extra = {"momentum": 0.9, "nesterov": True} if name == "sgd" else {}
+            opt = torch_class(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **extra, **flags)
+        step = engine.make_step(model, opt, engine.make_scheduler(cfg, opt, 10), split.images, split.labels)
+        for i in range(5):
+            step(torch.arange(32 * i, 32 * i + 32))
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
+
+
+TRAIN_AND_CHECK_IMPORTS = """
+import sys
+from ddp_slurm import train
+assert train.main(sys.argv[1:]) == 0
+heavy = sorted(m for m in ("torch._dynamo", "torchvision", "submitit", "matplotlib") if m in sys.modules)
+print("heavy:", ",".join(heavy))
+"""
+
+
+def test_training_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
+    """A whole 1-process run (steps, evaluation, checkpoints) without torch._dynamo (as slow to import as
+    torch: torch.optim's compile guards pull it in), torchvision, submitit or matplotlib."""
+    res = subprocess.run([sys.executable, "-c", TRAIN_AND_CHECK_IMPORTS, "model.name=cnn", "train.epochs=1",
+                          "train.max_steps=3", "checkpoint.every_steps=1"], cwd=tmp_path, env=base_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "heavy:", res.stdout

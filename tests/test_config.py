@@ -1,0 +1,316 @@
+"""Config: defaults, the shipped job files, KEY=VALUE overrides, and every kind of bad input.
+
+Most error cases run in-process through ``config.load`` (cheap); a representative set runs as real
+``python -m ddp_slurm.train`` processes to check what users see: exit 2, exactly one line on
+stderr, and no run directory created.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, Launcher, base_env
+from ddp_slurm import config
+from ddp_slurm.config import Config, ConfigError
+
+JOBS = REPO / "jobs"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_defaults_without_a_file() -> None:
+    cfg = config.load()
+    assert cfg == Config()
+    assert cfg.data.source == "sample"
+    assert cfg.model.name == "cnn"
+    assert (cfg.train.epochs, cfg.train.global_batch_size, cfg.train.lr) == (6, 128, 4e-3)
+    assert (cfg.train.optimizer, cfg.train.schedule, cfg.train.max_steps) == ("adam", "onecycle", None)
+    assert cfg.run_dir == Path("runs") / "mnist-sample"
+
+
+def test_sample_job_file_is_the_defaults() -> None:
+    """jobs/mnist_sample.yaml says it is the built-in defaults; keep the two from drifting apart."""
+    assert config.load(JOBS / "mnist_sample.yaml") == config.load()
+
+
+def test_full_mnist_job_file() -> None:
+    cfg = config.load(JOBS / "mnist.yaml")
+    assert cfg.data.source == "mnist"
+    assert cfg.data.download is False  # compute nodes have no internet: fail at once, not after a timeout
+    assert cfg.slurm.nodes >= 1
+    assert cfg.train.global_batch_size % (cfg.slurm.nodes * max(cfg.slurm.gpus_per_node, 1)) == 0
+
+
+def test_every_field_has_a_docstring() -> None:
+    """Each field carries its meaning in a docstring right below it: one per field, none missing."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(config))
+    documented: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    documented.add(f"{node.name}.{a.target.id}")
+    for section in dataclasses.fields(Config):
+        cls = type(getattr(Config(), section.name))
+        for f in dataclasses.fields(cls):
+            assert f"{cls.__name__}.{f.name}" in documented, f"{section.name}.{f.name} has no docstring"
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("train.epochs=3", ("train", "epochs"), 3),
+    ("train.lr=1e-3", ("train", "lr"), 0.001),  # YAML 1.1 reads 1e-3 as a string; it is the number meant
+    ("train.lr=0.5", ("train", "lr"), 0.5),
+    ("train.lr=2", ("train", "lr"), 2.0),  # int -> float is lossless
+    ("train.max_steps=null", ("train", "max_steps"), None),
+    ("train.max_steps=50", ("train", "max_steps"), 50),
+    ("data.source=sample", ("data", "source"), "sample"),
+    ("data.download=false", ("data", "download"), False),
+    ("model.name=mlp", ("model", "name"), "mlp"),
+    ("run.name=my-run_2", ("run", "name"), "my-run_2"),
+    ("slurm.partition=gpu", ("slurm", "partition"), "gpu"),
+])
+def test_override_values_are_yaml_scalars(override: str, key: tuple[str, str], expected: object) -> None:
+    cfg = config.load(None, [override])
+    value = getattr(getattr(cfg, key[0]), key[1])
+    assert value == expected and type(value) is type(expected)
+
+
+def test_overrides_apply_after_the_file_and_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  epochs: 9\n  lr: 1.0e-2\n")
+    cfg = config.load(path, ["train.epochs=2", "train.epochs=4"])
+    assert cfg.train.epochs == 4  # the last override wins
+    assert cfg.train.lr == 0.01  # the file's value where nothing overrides it
+    assert cfg.train.global_batch_size == 128  # the default where neither says anything
+
+
+def test_empty_file_is_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing here\n")
+    assert config.load(path) == Config()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error(path: Path | None = None, overrides: tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        config.load(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+@pytest.mark.parametrize("override, must_say", [
+    ("train.epoch=3", ["'train.epoch'", "the command line", "did you mean", "train.epochs"]),
+    ("train.learning_rate=0.1", ["'train.learning_rate'", "the command line"]),
+    ("trian.epochs=3", ["'trian'", "the command line", "did you mean", "train.epochs"]),
+    ("bogus.key=1", ["'bogus'", "section", "the command line", "train"]),
+    ("train.epochs=abc", ["train.epochs", "the command line", "an integer", "'abc'"]),
+    ("train.epochs=2.5", ["train.epochs", "the command line", "an integer", "2.5"]),
+    ("train.epochs=true", ["train.epochs", "the command line", "an integer"]),
+    ("data.download=maybe", ["data.download", "the command line", "true or false", "maybe"]),
+    ("train.lr=fast", ["train.lr", "the command line", "a number", "fast"]),
+    ("train.epochs=0", ["train.epochs", "the command line", ">= 1", "0"]),
+    ("train.global_batch_size=-1", ["train.global_batch_size", "the command line", ">= 1", "-1"]),
+    ("train.lr=0", ["train.lr", "the command line", "> 0"]),
+    ("train.max_steps=0", ["train.max_steps", "the command line", "null or an integer >= 1"]),
+    ("checkpoint.keep=0", ["checkpoint.keep", "the command line", ">= 1"]),
+    ("model.name=resnet", ["model.name", "the command line", "'mlp'", "'cnn'", "resnet"]),
+    ("data.source=cifar", ["data.source", "the command line", "'sample'", "'mnist'", "cifar"]),
+    ("run.name=a/b", ["run.name", "the command line", "without '/'"]),
+    ("dist.backend=mpi", ["dist.backend", "the command line", "'gloo'"]),
+    ("train.epochs", ["bad override", "'train.epochs'", "KEY=VALUE"]),
+    ("epochs=3", ["bad override", "'epochs=3'", "dotted"]),
+    ("train.epochs=[1, 2]", ["bad override", "scalar"]),
+])
+def test_bad_override(override: str, must_say: list[str]) -> None:
+    message = _error(overrides=(override,))
+    for text in must_say:
+        assert text in message, f"{text!r} missing from {message!r}"
+
+
+@pytest.mark.parametrize("body, must_say", [
+    ("train:\n  epoch: 3\n", ["'train.epoch'", "did you mean", "train.epochs"]),
+    ("trainn:\n  epochs: 3\n", ["'trainn'", "did you mean", "train.epochs"]),
+    ("optimizer:\n  lr: 3\n", ["'optimizer'", "section"]),
+    ("train:\n  epochs: three\n", ["train.epochs", "an integer", "three"]),
+    ("train:\n  epochs: 0\n", ["train.epochs", ">= 1"]),
+    ("checkpoint:\n  keep: 0\n", ["checkpoint.keep", ">= 1"]),
+    ("model:\n  name: resnet\n", ["model.name", "'cnn'", "resnet"]),
+    ("train: 3\n", ["'train'", "a mapping of keys"]),
+    ("- run\n- train\n", ["a mapping of sections", "list"]),
+    ("just a string\n", ["a mapping of sections", "str"]),
+])
+def test_bad_file_names_key_and_file(tmp_path: Path, body: str, must_say: list[str]) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(body)
+    message = _error(path)
+    assert str(path) in message, f"the file is not named in {message!r}"
+    for text in must_say:
+        assert text in message, f"{text!r} missing from {message!r}"
+
+
+def test_malformed_yaml_gives_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("run:\n  name: x\ntrain:\n  epochs: 3\n   lr: 0.1\n")  # line 5 is mis-indented
+    message = _error(path)
+    assert str(path) in message and "not valid YAML" in message
+    assert "line 5" in message and "column" in message, message
+
+
+def test_unclosed_bracket_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  lr: [1,\n")
+    message = _error(path)
+    assert str(path) in message and "line " in message and "column " in message, message
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    message = _error(path)
+    assert str(path) in message and "not found" in message
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    message = _error(tmp_path)
+    assert str(tmp_path) in message and "cannot be read" in message
+
+
+def test_file_error_is_found_before_overrides_are_read(tmp_path: Path) -> None:
+    """The file is checked first, so its error is reported even with an override for the same key."""
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  epochs: 0\n")
+    message = _error(path, ("train.epochs=3",))
+    assert str(path) in message and "train.epochs" in message
+
+
+# --------------------------------------------------------------------------- resolved config
+
+
+def test_dump_and_read_resolved_roundtrip(tmp_path: Path) -> None:
+    cfg = config.load(JOBS / "mnist.yaml", ["train.lr=1e-3", "train.max_steps=77", "slurm.partition=gpu",
+                                            "run.name=roundtrip", "slurm.tasks_per_node=null"])
+    path = tmp_path / "config.yaml"
+    config.dump(cfg, path)
+    assert not list(tmp_path.glob("*.tmp")), "the temporary file of the atomic write was left behind"
+    again = config.read_resolved(path)
+    assert again == cfg
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == 0.001  # a plain YAML number, readable by people
+    config.dump(again, path)  # overwriting an existing file works too
+    assert config.read_resolved(path) == cfg
+
+
+def test_read_resolved_rejects_a_bad_file(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("train:\n  epochs: -3\n")
+    with pytest.raises(ConfigError, match="train.epochs"):
+        config.read_resolved(path)
+
+
+def test_incompatible_changes() -> None:
+    old = config.load()
+    # Keys that change how a run goes, not what it computes, may differ between launches.
+    same = config.load(None, ["checkpoint.every_steps=7", "checkpoint.keep=9", "dist.timeout_s=5", "slurm.nodes=4",
+                              "data.download=false", "train.log_every_steps=3", "run.output_root=elsewhere"])
+    assert config.incompatible_changes(old, same) == []
+    assert config.incompatible_changes(old, old) == []
+    changed = config.load(None, ["train.lr=0.1", "model.name=mlp", "run.seed=5"])
+    diffs = config.incompatible_changes(old, changed)
+    assert len(diffs) == 3
+    joined = "; ".join(diffs)
+    assert "train.lr: 0.004 -> 0.1" in joined
+    assert "model.name: 'cnn' -> 'mlp'" in joined
+    assert "run.seed: 0 -> 5" in joined
+
+
+# --------------------------------------------------------------------------- as real processes
+
+
+def _assert_usage_error(res, launcher: Launcher, *must_say: str) -> None:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, f"exit {res.returncode}, stderr:\n{res.stderr}"
+    assert len(lines) == 1, f"expected exactly one line on stderr, got:\n{res.stderr}"
+    for text in must_say:
+        assert text in lines[0], f"{text!r} missing from {lines[0]!r}"
+    assert res.stdout == ""
+    assert not (launcher.cwd / "runs").exists(), "a run directory was created for a command that was refused"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, must_say", [
+    (["train.epoch=3"], ["train.epoch", "the command line", "did you mean", "train.epochs"]),
+    (["train.epochs=abc"], ["train.epochs", "the command line", "an integer"]),
+    (["data.download=maybe"], ["data.download", "the command line", "true or false"]),
+    (["train.epochs=0", "model.name=mlp"], ["train.epochs", "the command line", ">= 1"]),
+    (["model.name=resnet"], ["model.name", "the command line", "'mlp'"]),
+    (["notakeyvalue"], ["bad override", "KEY=VALUE"]),
+    (["--config", "missing.yaml"], ["missing.yaml", "not found"]),
+    (["train.global_batch_size=6000"], ["train.global_batch_size", "6000", "5000"]),
+])
+def test_cli_usage_errors(launcher: Launcher, args: list[str], must_say: list[str]) -> None:
+    res = launcher.run(launcher.cmd_train(*args), timeout=300)
+    _assert_usage_error(res, launcher, "ddp_slurm.train: error:", *must_say)
+
+
+@pytest.mark.slow
+def test_cli_malformed_file(launcher: Launcher) -> None:
+    path = launcher.cwd / "job.yaml"
+    path.write_text("train:\n  epochs: 3\n   lr: 0.1\n")
+    res = launcher.run(launcher.cmd_train(config=str(path)), timeout=300)
+    _assert_usage_error(res, launcher, str(path), "line 3", "column")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_batch_not_divisible_refused_by_every_rank(launcher: Launcher) -> None:
+    """Each rank of a 2-rank world (torchrun's variables, set by hand so every rank surely gets that far)
+    refuses a global batch of 127 on its own: exit 2, one line, before any rendezvous."""
+    import subprocess
+
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen(launcher.cmd_train("train.global_batch_size=127", "model.name=mlp"),
+                                      cwd=launcher.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        _assert_usage_error(res, launcher, "train.global_batch_size=127", "not divisible by the world size 2")
+
+
+@pytest.mark.slow
+def test_batch_not_divisible_under_torchrun(launcher: Launcher) -> None:
+    """The same under a real torchrun. torchrun stops the other worker as soon as one exits, so only
+    the first one's exit code is certain to be 2; every worker that wrote anything wrote the one line."""
+    logs = launcher.cwd / "torchrun-logs"
+    cmd = launcher.cmd_torchrun(2, "train.global_batch_size=127", "model.name=mlp")
+    cmd[3:3] = ["--log-dir", str(logs), "--redirects", "2"]  # each worker's stderr to its own file
+    res = launcher.run(cmd, timeout=600)
+    assert res.returncode == 1, res.stderr  # torchrun's own code for "a worker failed"
+    assert "exitcode  : 2" in res.stderr, res.stderr
+    worker_logs = sorted(logs.rglob("stderr.log"))
+    assert len(worker_logs) == 2, worker_logs
+    written = [p.read_text().strip().splitlines() for p in worker_logs]
+    assert any(written), "no worker said why it stopped"
+    for lines in written:
+        if lines:
+            assert len(lines) == 1 and "not divisible by the world size 2" in lines[0], lines
+    assert not (launcher.cwd / "runs").exists()

@@ -1,0 +1,146 @@
+"""`python -m ddp_slurm.doctor`: one process, torchrun, and rendezvous faults injected on this machine.
+
+Every fault must end in the rank's own one-line verdict and a non-zero exit, never a hang (the
+subprocess timeouts are generous for a loaded machine; the doctor's own bound is --timeout plus grace).
+"""
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ddp_slurm import doctor
+from conftest import base_env
+
+DOCTOR = [sys.executable, "-m", "ddp_slurm.doctor", "--timeout", "5", "--size-mb", "1", "--iters", "2"]
+WAIT = 300
+
+
+def rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:
+    """The variables torchrun would set for ``rank`` of ``world`` ranks on this one host."""
+    return base_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                    MASTER_ADDR=addr, MASTER_PORT=str(port))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(cwd, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(DOCTOR, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the doctor hung (killed after {WAIT} s):\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def fail_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("doctor: FAIL")]
+
+
+def table_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if re.match(r"\d+\s+\d+/\d+\s+\d+/\d+\s", line)]
+
+
+def test_one_process_is_ok(launcher):
+    res = launcher.run(DOCTOR, timeout=WAIT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "doctor: verdict OK" in res.stdout
+    assert "1 rank(s) on 1 host(s), launcher single" in res.stdout
+    assert "all-reduce: correct" in res.stdout
+    rows = table_rows(res.stdout)
+    assert len(rows) == 1 and rows[0][:5] == ["0", "0/1", "0/1", socket.gethostname(), "cpu"], res.stdout
+
+
+def test_torchrun_two_ranks_ok_table(launcher):
+    res = launcher.run(launcher.cmd_torchrun(2, "--timeout", "60", "--size-mb", "1", "--iters", "2",
+                                             module="ddp_slurm.doctor"), timeout=WAIT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("doctor: verdict OK") == 1  # rank 0 alone prints the table and verdict
+    assert "2 rank(s) on 1 host(s), launcher torchrun" in res.stdout
+    assert "bus bandwidth (1 MiB)" in res.stdout
+    rows = table_rows(res.stdout)
+    assert [r[0] for r in rows] == ["0", "1"] and [r[1] for r in rows] == ["0/2", "1/2"], res.stdout
+    assert all(r[5] == "gloo" for r in rows)
+    assert not fail_lines(res.stdout)
+
+
+def test_unresolvable_master_addr(tmp_path):
+    code, out, _ = finish(start(tmp_path, rank_env(0, 2, free_port(), addr="no-such-host.invalid")))
+    assert code == 1
+    [line] = fail_lines(out)
+    assert line.startswith("doctor: FAIL rank 0 on ") and "unresolvable host" in line
+    assert "no-such-host.invalid" in line
+
+
+def test_port_taken(tmp_path):
+    """A program already listens on MASTER_PORT: rank 0 finds the port taken; rank 1 reaches that program,
+    which never answers as a rendezvous, and the watchdog ends it with its own verdict."""
+    with socket.create_server(("", 0)) as taker:
+        port = taker.getsockname()[1]
+        ranks = [start(tmp_path, rank_env(r, 2, port)) for r in (0, 1)]
+        results = [finish(p) for p in ranks]
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 1, out + err
+        [line] = fail_lines(out)
+        assert line.startswith(f"doctor: FAIL rank {rank} on ") and "port in use" in line, line
+    assert f"port {port} on {socket.gethostname()} is taken" in results[0][1]
+    assert f"127.0.0.1:{port}" in results[1][1]
+
+
+def test_missing_rank(tmp_path):
+    code, out, err = finish(start(tmp_path, rank_env(0, 2, free_port())))
+    assert code == 1, out + err
+    [line] = fail_lines(out)
+    assert "rank missing" in line and "expected 2 ranks, 1 arrived" in line, line
+
+
+def test_rank_zero_missing(tmp_path):
+    code, out, err = finish(start(tmp_path, rank_env(1, 2, free_port())))
+    assert code == 1, out + err
+    [line] = fail_lines(out)
+    assert line.startswith("doctor: FAIL rank 1 on ") and "rank 0 unreachable" in line, line
+
+
+def test_rank_outside_the_world(launcher):
+    res = launcher.run(DOCTOR, env=rank_env(1, 2, free_port()) | {"RANK": "3"}, timeout=WAIT)
+    assert res.returncode == 1
+    [line] = fail_lines(res.stdout)
+    assert "mismatched world size" in line and "RANK=3" in line
+
+
+def test_usage_error(launcher):
+    res = launcher.run([sys.executable, "-m", "ddp_slurm.doctor", "--timeout", "0"], timeout=WAIT)
+    assert res.returncode == 2 and "--timeout" in res.stderr
+
+
+def _row(rank: int, host: str, node_rank: int, local_rank: int, gpu: str | None = None) -> dict:
+    """A gathered report as rank 0 sees it (what measure() and describe() produce)."""
+    return {"rank": rank, "host": host, "node": host, "node_rank": node_rank, "local_rank": local_rank,
+            "world_size": 4, "gpu": gpu, "cuda_count": 1 if gpu else 0, "correct": True}
+
+
+def test_cross_checks_find_duplicates_and_shared_gpus():
+    good = [_row(0, "a", 0, 0, "0"), _row(1, "a", 0, 1, "1"), _row(2, "b", 1, 0, "0"), _row(3, "b", 1, 1, "1")]
+    assert doctor.cross_checks(good) == []
+    # two hosts both believe they are node 0 (a misconfigured static torchrun launch)
+    dup = [_row(0, "a", 0, 0), _row(1, "a", 0, 1), _row(2, "b", 0, 0), _row(3, "b", 0, 1)]
+    causes = [f.cause for _, f in doctor.cross_checks(dup)]
+    assert causes == ["duplicate ranks"]
+    # --gpus-per-task missing: every task on a node sees the same single GPU
+    shared = [_row(0, "a", 0, 0, "0"), _row(1, "a", 0, 1, "0"), _row(2, "b", 1, 0, "0"), _row(3, "b", 1, 1, "1")]
+    [(where, failure)] = doctor.cross_checks(shared)
+    assert where == "a" and failure.cause == "CUDA device count vs tasks per node" and "ranks 0, 1" in failure.detail
+    wrong = good[:3] + [{**good[3], "correct": False}]
+    assert [f.cause for _, f in doctor.cross_checks(wrong)] == ["all-reduce wrong"]

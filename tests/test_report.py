@@ -1,0 +1,142 @@
+"""`python -m ddp_slurm.report RUN_DIR` on a real run that was stopped by a signal, crashed after a
+checkpoint (so some steps were redone) and resumed to the end; and on a run still being written."""
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import base_env
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ARGS = ["model.name=mlp", "train.global_batch_size=64", "train.epochs=2", "train.log_every_steps=5",
+        "checkpoint.every_steps=20", "run.name=r"]
+
+# A test harness, not a product hook: at this launch's N-th step send ourselves the stop signal
+# (STOP_AT, a real SIGUSR2) or raise (CRASH_AT), then run the real entry point.
+HARNESS = '''
+import os, signal, sys
+from ddp_slurm import engine, train
+stop_at, crash_at = int(os.environ.get("STOP_AT", "0")), int(os.environ.get("CRASH_AT", "0"))
+real_make_step = engine.make_step
+def make_step(*args, **kwargs):
+    step, calls = real_make_step(*args, **kwargs), [0]
+    def wrapped(batch):
+        calls[0] += 1
+        if calls[0] == stop_at:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        if calls[0] == crash_at:
+            raise ValueError("injected crash")
+        return step(batch)
+    return wrapped
+engine.make_step = make_step
+sys.exit(train.main(sys.argv[1:]))
+'''
+
+
+def launch(cwd: Path, **env: str) -> int:
+    harness = cwd / "harness.py"
+    harness.write_text(HARNESS)
+    res = subprocess.run([sys.executable, str(harness), *ARGS], cwd=cwd, env=base_env(**env), capture_output=True,
+                         text=True, timeout=600)
+    return res.returncode
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory) -> Path:
+    """156 steps in 3 launches: SIGUSR2 at step 30 (exit 75); a crash at step 55 with the last checkpoint
+    at 40, so steps 41-55 run twice; then to the end."""
+    cwd = tmp_path_factory.mktemp("report")
+    assert launch(cwd, STOP_AT="30") == 75
+    assert launch(cwd, CRASH_AT="25") == 1  # steps 31..54 done, crashes in step 55
+    assert launch(cwd) == 0
+    return cwd / "runs" / "r"
+
+
+def report(run_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddp_slurm.report", str(run_dir)], cwd=cwd, env=base_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def expected(path: Path) -> dict:
+    """The summary figures, straight from the metrics file: the latest launch wins for redone steps."""
+    train: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    for row in rows:
+        if row["kind"] == "start":
+            for seen in (train, evals):
+                for step in [s for s in seen if s > row["step"]]:
+                    del seen[step]
+        elif row["kind"] == "train":
+            train[row["step"]] = row
+        elif row["kind"] == "eval":
+            evals[row["step"]] = row
+    accs = [evals[s]["accuracy"] for s in sorted(evals)]
+    return {"final": accs[-1] if accs else None, "best": max(accs) if accs else None,
+            "starts": sum(r["kind"] == "start" for r in rows), "stops": sum(r["kind"] == "stop" for r in rows),
+            "time": rows[-1]["time_s"], "windows": len(train),
+            "mean": statistics.fmean(r["samples_per_s"] for r in train.values())}
+
+
+def check_png(path: Path) -> None:
+    from matplotlib.image import imread
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 20_000
+    image = imread(path)
+    assert 600 <= image.shape[0] <= 2000 and 600 <= image.shape[1] <= 2000, image.shape
+    assert image[..., :3].std() > 0.05  # not a blank canvas
+
+
+def test_report_of_a_resumed_run(resumed_run, tmp_path):
+    metrics = resumed_run / "metrics.jsonl"
+    raw_steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if '"kind": "train"' in l]
+    assert len(raw_steps) > len(set(raw_steps)), "the crash should have made some steps run twice"
+    res = report(resumed_run, tmp_path)
+    assert res.returncode == 0, res.stderr
+    check_png(resumed_run / "report.png")
+    want = expected(metrics)
+    assert want["starts"] == 3 and want["stops"] == 1
+    out = res.stdout
+    assert f"run {resumed_run}: finished at step 156, world size 1" in out
+    assert (f"test accuracy: final {100 * want['final']:.2f}% (step 156), best {100 * want['best']:.2f}%"
+            in out), out
+    assert (f"wall time: {want['time']:.1f} s of training; 3 launch(es), 2 restart(s), 0 Slurm requeue(s), "
+            f"1 stop signal(s)") in out, out
+    assert f"throughput: mean {want['mean']:,.0f} samples/s over {want['windows']} logged windows" in out, out
+    assert want["windows"] == 156 // 5
+    assert f"plots: {resumed_run / 'report.png'}" in out
+
+
+def test_report_of_a_run_still_going(resumed_run, tmp_path):
+    """What a reader sees while the second launch is writing: complete lines, then half of one."""
+    live = tmp_path / "live"
+    live.mkdir()
+    shutil.copy(resumed_run / "config.yaml", live / "config.yaml")
+    lines = (resumed_run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    second = [i for i, l in enumerate(lines) if '"kind": "start"' in l][1]
+    upto = second + 4  # the second launch's start and three train lines
+    (live / "metrics.jsonl").write_text("".join(lines[:upto]) + lines[upto][:25])
+    res = report(live, tmp_path)
+    assert res.returncode == 0, res.stderr
+    check_png(live / "report.png")
+    last = json.loads(lines[upto - 1])
+    assert f"running or interrupted, last line at step {last['step']}" in res.stdout
+    assert "test accuracy: no evaluation yet" in res.stdout
+    assert "2 launch(es), 1 restart(s), 0 Slurm requeue(s), 1 stop signal(s)" in res.stdout
+
+
+def test_report_needs_a_run_directory(tmp_path):
+    res = report(tmp_path / "nope", tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and "metrics.jsonl does not exist" in res.stderr

@@ -1,0 +1,479 @@
+"""Preemption and exact resume, with real processes, real signals and real files.
+
+Every scenario compares against the same run left alone (computed once per module and world size):
+on CPU with one thread per rank, a run stopped by a signal and launched again must end with weights
+bit-identical (``torch.equal`` on every tensor) to the uninterrupted one.
+
+Windows are hit without hooks in the product:
+- "handler installed" is read from ``/proc/<pid>/status`` (SigCgt), so a signal is never sent
+  before the process can take it;
+- "inside the evaluation" is made certain by freezing the process (SIGSTOP) right after it logged
+  the epoch's last training line, checking that its evaluation line is not written yet, and only
+  then queueing the signal and letting it continue (SIGCONT);
+- a torchrun worker's rank is read from its environment (``/proc/<pid>/environ``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from conftest import Launcher, base_env
+from ddp_slurm import checkpoint, metrics
+
+RUN_NAME = "r"
+STEPS_PER_EPOCH = 5000 // 64
+MLP = ["model.name=mlp", "train.global_batch_size=64", "train.epochs=3", "train.log_every_steps=2",
+       "checkpoint.every_steps=10", "checkpoint.keep=100", f"run.name={RUN_NAME}"]
+MLP_TOTAL = 3 * STEPS_PER_EPOCH  # 234 steps
+# A CNN for the evaluation window: its evaluation of the 5,000 test images takes seconds on one thread.
+CNN_EPOCH = 5000 // 128
+CNN = ["model.name=cnn", "train.global_batch_size=128", "train.epochs=2", "train.max_steps=45",
+       f"train.log_every_steps={CNN_EPOCH // 3}", "checkpoint.every_steps=10", "checkpoint.keep=100",
+       f"run.name={RUN_NAME}"]
+EXIT_STOPPED = 75
+TIMEOUT_S = 900.0  # per launch; the machine may be shared and slow, never a timing assertion
+
+
+# --------------------------------------------------------------------------- processes
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """True once ``pid`` has a handler for ``sig`` (the SigCgt mask in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M)
+    return bool(mask and int(mask[1], 16) >> (sig - 1) & 1)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def state_of(pid: int) -> str:
+    """The process state letter (R, S, T, Z, ...) from /proc/<pid>/stat."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@dataclass
+class Launch:
+    """One launch of training (plain python or torchrun) in the background."""
+    proc: subprocess.Popen
+    log: Path
+    world_size: int
+    run_dir: Path
+    first_row: int  # rows of metrics.jsonl written before this launch
+    _ranks: dict[int, int] = field(default_factory=dict)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def fail(self, why: str) -> None:
+        pytest.fail(f"{why}\n--- log of {self.proc.args}\n{self.log_text()[-6000:]}")
+
+    def rows(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return list(metrics.read(path))[self.first_row:] if path.exists() else []
+
+    def wait_for(self, what: str, ready: Callable[[], bool], poll_s: float = 0.002) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready():
+            if self.proc.poll() is not None:
+                self.fail(f"exited {self.proc.returncode} before {what}")
+            if time.monotonic() > deadline:
+                self.fail(f"timed out waiting for {what}")
+            time.sleep(poll_s)
+
+    def wait_for_row(self, what: str, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """Wait until this launch wrote a metrics row that ``match``es; return it."""
+        found: list[dict[str, Any]] = []
+
+        def ready() -> bool:
+            found[:] = [r for r in self.rows() if match(r)]
+            return bool(found)
+
+        self.wait_for(what, ready)
+        return found[0]
+
+    def worker(self, rank: int) -> int:
+        """The pid of ``rank``: the process itself, or the torchrun worker with RANK=rank."""
+        if self.world_size == 1:
+            return self.proc.pid
+        if not self._ranks:
+            def all_there() -> bool:
+                kids = children(self.proc.pid)
+                return len(kids) == self.world_size and all("RANK" in environ_of(k) for k in kids)
+            self.wait_for(f"{self.world_size} torchrun workers", all_there)
+            self._ranks = {int(environ_of(k)["RANK"]): k for k in children(self.proc.pid)}
+        return self._ranks[rank]
+
+    def wait_until_catching(self, sig: signal.Signals, ranks: list[int] | None = None) -> None:
+        for rank in ranks if ranks is not None else range(self.world_size):
+            pid = self.worker(rank)
+            self.wait_for(f"rank {rank} to install its {sig.name} handler", lambda: catches(pid, sig))
+
+    def signal(self, rank: int, sig: signal.Signals) -> None:
+        os.kill(self.worker(rank), sig)
+
+    def finish(self) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.fail("did not exit")
+        return code, self.log_text()
+
+
+@pytest.fixture
+def launches() -> Iterator[list[Launch]]:
+    """Collects the launches of a test and kills any still running at the end (a failed test)."""
+    started: list[Launch] = []
+    yield started
+    for launch in started:
+        if launch.proc.poll() is None:
+            os.killpg(launch.proc.pid, signal.SIGKILL)  # its own session: the agent and its workers
+            launch.proc.wait()
+
+
+def start(launches: list[Launch], cwd: Path, world_size: int, overrides: list[str],
+          env: dict[str, str] | None = None) -> Launch:
+    launcher = Launcher(cwd)
+    cmd = launcher.cmd_train(*overrides) if world_size == 1 else launcher.cmd_torchrun(world_size, *overrides)
+    run_dir = cwd / "runs" / RUN_NAME
+    before = len(list(metrics.read(run_dir / "metrics.jsonl"))) if (run_dir / "metrics.jsonl").exists() else 0
+    log = cwd / f"launch-{len(launches)}.log"
+    launch = Launch(launcher.popen(cmd, env=env or base_env(), log=log), log, world_size, run_dir, before)
+    launches.append(launch)
+    return launch
+
+
+def run_to_end(launches: list[Launch], cwd: Path, world_size: int, overrides: list[str],
+               env: dict[str, str] | None = None, trains: bool = True) -> Launch:
+    """Launch and wait for exit 0; ``trains``: it must also have trained to the end (an ``end`` row)."""
+    launch = start(launches, cwd, world_size, overrides, env)
+    code, text = launch.finish()
+    if code != 0:
+        launch.fail(f"exited {code}, expected 0")
+    if trains:
+        assert launch.rows() and launch.rows()[-1]["kind"] == "end", text
+    return launch
+
+
+def assert_stopped(launch: Launch) -> dict[str, Any]:
+    """Every rank exited 75 after a checkpoint of the stop step; returns the ``stop`` row."""
+    code, text = launch.finish()
+    if launch.world_size == 1:
+        if code != EXIT_STOPPED:
+            launch.fail(f"exited {code}, expected {EXIT_STOPPED}")
+    else:  # torchrun exits 1 and lists each worker's exit code in its summary
+        codes = re.findall(r"^\s+exitcode\s*:\s*(-?\d+)", text, re.M)
+        if code == 0 or sorted(codes) != [str(EXIT_STOPPED)] * launch.world_size:
+            launch.fail(f"torchrun exited {code} with worker exit codes {codes}, expected {EXIT_STOPPED} on every rank")
+    stops = [r for r in launch.rows() if r["kind"] == "stop"]
+    assert len(stops) == 1, launch.rows()
+    assert not [r for r in launch.rows() if r["kind"] == "end"]
+    stop = stops[0]
+    assert f"stopped on signal at step {stop['step']} with a checkpoint" in text
+    state = checkpoint.load_latest(launch.run_dir)
+    assert state is not None and (state["step"], state["epoch"], state["finished"]) == (stop["step"], stop["epoch"], False)
+    assert (launch.run_dir / "checkpoints" / f"step-{stop['step']}.pt").exists()
+    assert not [p for p in (launch.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    return stop
+
+
+def assert_resumed_from(launch: Launch, step: int) -> None:
+    start_row = launch.rows()[0]
+    assert start_row["kind"] == "start" and start_row["resumed"] is True and start_row["step"] == step, start_row
+
+
+def assert_bit_identical(run_dir: Path, reference: dict[str, Any]) -> None:
+    state = checkpoint.load_latest(run_dir)
+    assert state is not None and state["finished"] and state["step"] == reference["step"]
+    assert state["model"].keys() == reference["model"].keys()
+    different = [k for k, t in state["model"].items() if not torch.equal(t, reference["model"][k])]
+    assert not different, f"weights differ from the uninterrupted run: {different}"
+    opt, ref_opt = dict(checkpoint._tensors(state["optimizer"])), dict(checkpoint._tensors(reference["optimizer"]))
+    assert opt.keys() == ref_opt.keys() and all(torch.equal(t, ref_opt[k]) for k, t in opt.items())
+
+
+# --------------------------------------------------------------------------- references
+class References:
+    """Uninterrupted runs, computed once per module on first use; their run directories are kept."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._done: dict[str, Path] = {}
+
+    def run_dir(self, name: str) -> Path:
+        if name not in self._done:
+            overrides, ws = {"mlp-1": (MLP, 1), "mlp-2": (MLP, 2), "cnn-1": (CNN, 1)}[name]
+            cwd = self.root / name
+            cwd.mkdir()
+            started: list[Launch] = []
+            try:
+                launch = run_to_end(started, cwd, ws, overrides)
+            finally:
+                for launch in started:
+                    if launch.proc.poll() is None:
+                        os.killpg(launch.proc.pid, signal.SIGKILL)
+            assert [r["step"] for r in launch.rows() if r["kind"] == "start"] == [0]
+            self._done[name] = launch.run_dir
+        return self._done[name]
+
+    def final(self, name: str) -> dict[str, Any]:
+        state = checkpoint.load_latest(self.run_dir(name))
+        assert state is not None and state["finished"]
+        return state
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    return References(tmp_path_factory.mktemp("references"))
+
+
+# --------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_signal_to_one_rank_stops_all_and_resume_is_exact(references: References, launches: list[Launch],
+                                                          tmp_path: Path, world_size: int) -> None:
+    """SIGUSR2 to the last rank only (with 2 ranks: not rank 0): every rank stops at the same step
+    with exit 75 and a checkpoint; launching again finishes bit-identical to the run left alone."""
+    reference = references.final(f"mlp-{world_size}")
+    first = start(launches, tmp_path, world_size, MLP)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("training to pass step 10", lambda r: r["kind"] == "train" and r["step"] >= 10)
+    first.signal(world_size - 1, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    assert stop["requeue"] is True  # the requeue signal, outside Slurm: nothing to requeue, exit 75 all the same
+    assert 10 <= stop["step"] < STEPS_PER_EPOCH, f"expected a stop inside the first epoch, got {stop}"
+    state = checkpoint.load_latest(first.run_dir)
+    assert state["samples_in_epoch"] == stop["step"] * 64 and state["world_size"] == world_size
+    assert not [k for k in state["model"] if k.startswith("module.")]
+
+    second = run_to_end(launches, tmp_path, world_size, MLP)
+    assert_resumed_from(second, stop["step"])
+    assert_bit_identical(first.run_dir, reference)
+
+    if world_size == 1:  # a finished run launched again says so and exits 0, touching nothing
+        again = run_to_end(launches, tmp_path, world_size, MLP, trains=False)
+        assert "already finished" in again.log_text() and again.rows() == []
+        assert_bit_identical(first.run_dir, reference)
+
+
+def test_three_interruptions_end_bit_identical(references: References, launches: list[Launch],
+                                               tmp_path: Path) -> None:
+    """Two ranks stopped three times: SIGUSR2 to rank 1 inside the first epoch, SIGUSR2 to rank 1 of
+    the relaunch before it takes any step, SIGTERM to rank 0 an epoch later. The fourth launch
+    finishes bit-identical to the run left alone."""
+    reference = references.final("mlp-2")
+    plan = [(1, signal.SIGUSR2, 10), (1, signal.SIGUSR2, None), (0, signal.SIGTERM, STEPS_PER_EPOCH)]
+    resumed_at, stops = 0, []
+    for rank, sig, after in plan:
+        launch = start(launches, tmp_path, 2, MLP)
+        launch.wait_until_catching(sig, ranks=[rank])
+        if after is not None:
+            launch.wait_for_row(f"step {resumed_at + after}",
+                                lambda r: r["kind"] == "train" and r["step"] >= resumed_at + after)
+        launch.signal(rank, sig)
+        stop = assert_stopped(launch)
+        assert stop["requeue"] is (sig == signal.SIGUSR2)
+        if stops:
+            assert_resumed_from(launch, resumed_at)
+        if after is None:  # before the first step: nothing trained, nothing new written
+            assert stop["step"] == resumed_at and [r["kind"] for r in launch.rows()] == ["start", "stop"]
+        else:
+            assert resumed_at + after <= stop["step"] < MLP_TOTAL
+        stops.append(stop["step"])
+        resumed_at = stop["step"]
+    assert stops[0] < STEPS_PER_EPOCH <= stops[2], stops
+    last = run_to_end(launches, tmp_path, 2, MLP)
+    assert_resumed_from(last, resumed_at)
+    assert_bit_identical(last.run_dir, reference)
+
+
+def test_signal_before_the_first_step(references: References, launches: list[Launch], tmp_path: Path) -> None:
+    """SIGUSR2 the moment the process can take it (while it still joins the group, loads the data,
+    builds the model): it stops before any training step with a step-0 checkpoint, exit 75, and the
+    relaunch is exact."""
+    reference = references.final("mlp-1")
+    first = start(launches, tmp_path, 1, MLP)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.signal(0, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    assert stop["step"] == 0 and [r["kind"] for r in first.rows()] == ["start", "stop"], first.rows()
+    assert [s for s, _ in checkpoint.list_checkpoints(first.run_dir)] == [0]
+
+    second = run_to_end(launches, tmp_path, 1, MLP)
+    assert_resumed_from(second, 0)
+    assert_bit_identical(first.run_dir, reference)
+
+
+def test_signal_during_evaluation(references: References, launches: list[Launch], tmp_path: Path) -> None:
+    """A signal that arrives while the epoch-end evaluation runs: the evaluation completes and is
+    logged, the epoch-end checkpoint is the stop checkpoint, exit 75; the relaunch is exact (CNN,
+    with BatchNorm buffers)."""
+    reference = references.final("cnn-1")
+    first = start(launches, tmp_path, 1, CNN)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("the epoch's last training line", lambda r: r["kind"] == "train" and r["step"] == CNN_EPOCH)
+    pid = first.worker(0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        first.wait_for("the process to freeze", lambda: state_of(pid) == "T")
+        evals = [r for r in first.rows() if r["kind"] == "eval"]
+        if evals:
+            first.fail(f"could not freeze the process inside its evaluation: it already logged {evals}")
+        os.kill(pid, signal.SIGUSR2)  # pending until the process continues, inside evaluate()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    stop = assert_stopped(first)
+    assert stop["step"] == CNN_EPOCH and stop["epoch"] == 1
+    kinds = [(r["kind"], r["step"]) for r in first.rows() if r["kind"] != "train"]
+    assert kinds == [("start", 0), ("eval", CNN_EPOCH), ("stop", CNN_EPOCH)], kinds
+    state = checkpoint.load_latest(first.run_dir)
+    assert state["samples_in_epoch"] == 0 and state["best_accuracy"] > 0
+
+    second = run_to_end(launches, tmp_path, 1, CNN)
+    assert_resumed_from(second, CNN_EPOCH)
+    assert [(r["kind"], r["step"]) for r in second.rows() if r["kind"] == "eval"] == [("eval", 45)]
+    assert_bit_identical(first.run_dir, reference)
+
+
+def test_resume_at_another_world_size(references: References, launches: list[Launch], tmp_path: Path) -> None:
+    """Stopped with 2 ranks, resumed with 1: same global sample position, same total, weights close."""
+    reference = references.final("mlp-2")
+    first = start(launches, tmp_path, 2, MLP)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("training to pass step 10", lambda r: r["kind"] == "train" and r["step"] >= 10)
+    first.signal(1, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    saved = checkpoint.load_latest(first.run_dir)
+    assert saved["world_size"] == 2 and saved["samples_in_epoch"] == (stop["step"] % STEPS_PER_EPOCH) * 64
+
+    second = run_to_end(launches, tmp_path, 1, MLP)
+    assert_resumed_from(second, stop["step"])
+    train_rows = [r for r in second.rows() if r["kind"] == "train"]
+    assert train_rows and {r["world_size"] for r in train_rows} == {1}
+    assert train_rows[0]["step"] <= stop["step"] + 2  # continued where it stopped, not from the epoch start
+    assert [(r["step"], r["epoch"]) for r in second.rows() if r["kind"] == "eval"][-1] == (MLP_TOTAL, 2)
+    state = checkpoint.load_latest(first.run_dir)
+    assert state["finished"] and state["step"] == MLP_TOTAL and state["world_size"] == 1
+    for name, t in state["model"].items():
+        torch.testing.assert_close(t, reference["model"][name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+SCONTROL_STUB = """#!/bin/sh
+# Stands in for Slurm's scontrol: records how it was called.
+echo "$@" >> "{calls}"
+"""
+
+
+def test_sigterm_stops_without_requeue(launches: list[Launch], tmp_path: Path) -> None:
+    """Inside a (pretend) Slurm job with requeue on: the requeue signal stops and runs
+    `scontrol requeue <job>`; SIGTERM (preemption: Slurm requeues by itself) stops with exit 75 and
+    runs nothing."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol-calls"
+    bin_dir.mkdir()
+    stub = bin_dir / "scontrol"
+    stub.write_text(SCONTROL_STUB.format(calls=calls))
+    stub.chmod(0o755)
+    env = base_env(SLURM_JOB_ID="4242", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    first = start(launches, tmp_path, 1, MLP, env)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("step 10", lambda r: r["kind"] == "train" and r["step"] >= 10)
+    first.signal(0, signal.SIGUSR2)
+    stop1 = assert_stopped(first)
+    assert stop1["requeue"] is True
+    assert calls.read_text().splitlines() == ["requeue 4242"]  # after the checkpoint was on disk
+
+    second = start(launches, tmp_path, 1, MLP, env)
+    second.wait_until_catching(signal.SIGTERM)
+    second.wait_for_row("step 20 past the resume",
+                        lambda r: r["kind"] == "train" and r["step"] >= stop1["step"] + 20)
+    second.signal(0, signal.SIGTERM)
+    stop2 = assert_stopped(second)
+    assert_resumed_from(second, stop1["step"])
+    assert stop2["requeue"] is False and stop2["step"] > stop1["step"]
+    assert calls.read_text().splitlines() == ["requeue 4242"], "SIGTERM must not requeue"
+    assert "requeued Slurm job 4242" in first.log_text() and "requeue" not in second.log_text().lower()
+
+
+WRITER = """
+import sys
+import torch
+from pathlib import Path
+from ddp_slurm import checkpoint
+run_dir = Path(sys.argv[1])
+state = checkpoint.load_latest(run_dir)
+for i in range(1000):
+    # the real training state plus ballast, so that each write takes a while
+    checkpoint.save(run_dir, dict(state, ballast=torch.full((32 * 2**20,), float(i))), keep=3)
+    print("saved", i, flush=True)
+"""
+
+
+def test_writer_killed_mid_save_leaves_previous_checkpoint(references: References, launches: list[Launch],
+                                                           tmp_path: Path) -> None:
+    """SIGKILL while a checkpoint is being written: the previous file under that name stays loadable,
+    a truncated newer checkpoint is skipped with a warning, and the next launch resumes from the
+    intact one, removes the writer's leftover and finishes bit-identical."""
+    reference_dir = references.run_dir("mlp-1")
+    run_dir = tmp_path / "runs" / RUN_NAME
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copy(reference_dir / "config.yaml", run_dir / "config.yaml")
+    shutil.copy(reference_dir / "checkpoints" / "step-100.pt", run_dir / "checkpoints" / "step-100.pt")
+
+    log = tmp_path / "writer.log"
+    with open(log, "w") as out:
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run_dir)], stdout=out, stderr=subprocess.STDOUT,
+                                  env=base_env(), start_new_session=True)
+    try:
+        temps = lambda: list((run_dir / "checkpoints").glob(".step-100.pt.tmp-*"))  # noqa: E731
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ("saved 0" in log.read_text() and temps()):  # the second save is being written
+            assert writer.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "writer never started its second save"
+            time.sleep(0.001)
+        writer.kill()
+        writer.wait()
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert temps(), "the writer finished its save before it was killed: nothing was tested"
+    completed = len(re.findall(r"^saved \d+$", log.read_text(), re.M))
+    state = checkpoint.load_latest(run_dir)
+    # The last complete save (or the one just after it, when the kill fell between the rename and the print).
+    assert state["step"] == 100 and state["ballast"][0].item() in (completed - 1, completed)
+
+    # A newer checkpoint cut short (a copy of the real one, half its bytes).
+    newer = run_dir / "checkpoints" / "step-110.pt"
+    data = (reference_dir / "checkpoints" / "step-110.pt").read_bytes()
+    newer.write_bytes(data[: len(data) // 2])
+
+    resumed = run_to_end(launches, tmp_path, 1, MLP)
+    text = resumed.log_text()
+    assert re.search(r"WARNING .*skipping checkpoint \S*step-110\.pt", text), text
+    assert_resumed_from(resumed, 100)
+    assert not temps(), "the killed writer's temporary file was not removed"
+    assert_bit_identical(run_dir, references.final("mlp-1"))

@@ -1,0 +1,172 @@
+"""``python -m ddp_slurm.submit`` without Slurm: the sbatch script it would submit, submitit's local
+executor running real ranks, sweeps, failures reported with training's status, and bad options.
+
+The same command on the real cluster (requeue on a signal, 4 nodes, a job array) is tested in
+tests/cluster/test_submit_cluster.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import Launcher, base_env
+
+SUBMIT = [sys.executable, "-m", "ddp_slurm.submit"]
+TINY = ["model.name=mlp", "train.epochs=1", "train.max_steps=20", "train.log_every_steps=5"]
+
+
+def sbatch_lines(script: str) -> dict[str, str]:
+    """``#SBATCH --key=value`` lines as {key: value} (a bare flag maps to "")."""
+    out = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --"):].partition("=")
+            out[key] = value.strip("'")
+    return out
+
+
+def one_line_error(res) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("python -m ddp_slurm.submit: error: "), res.stderr
+    return lines[0]
+
+
+def test_dry_run_prints_the_sbatch_script_for_the_flags(launcher: Launcher) -> None:
+    res = launcher.run(SUBMIT + ["--dry-run", "--nodes", "3", "--gpus-per-node", "2", "--time", "30",
+                                 "--partition", "gpu", "--signal-delay", "90", "--cpus-per-task", "4",
+                                 "--account", "proj", "--name", "dry", "train.global_batch_size=120"], check=True)
+    script = res.stdout
+    assert script.startswith("#!/bin/bash\n")
+    flags = sbatch_lines(script)
+    assert flags["nodes"] == "3"
+    assert flags["gpus-per-node"] == "2"
+    assert flags["ntasks-per-node"] == "2"  # one rank per GPU by default
+    assert flags["cpus-per-task"] == "4"
+    assert flags["time"] == "30"
+    assert flags["partition"] == "gpu"
+    assert flags["account"] == "proj"
+    assert flags["signal"] == "USR2@90"
+    assert "requeue" in flags and "qos" not in flags and "array" not in flags
+    assert flags["job-name"] == "dry"
+    folder = launcher.cwd / "runs" / "dry" / "submitit" / "%j"
+    assert flags["output"] == str(folder / "%j_0_log.out")
+    srun = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert len(srun) == 1 and f"{sys.executable} -u -m submitit.core._submit {folder}" in srun[0]
+    assert not (launcher.cwd / "runs").exists(), "a dry run must not create the run directory"
+
+
+def test_dry_run_takes_defaults_from_the_config_and_flags_win(launcher: Launcher) -> None:
+    cfg = launcher.cwd / "job.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "fromfile"}, "slurm": {
+        "nodes": 2, "gpus_per_node": 4, "tasks_per_node": 2, "partition": "a100", "qos": "low", "time_min": 600,
+        "signal": "USR1", "signal_delay_s": 300, "requeue": False}}))
+    res = launcher.run(SUBMIT + ["--dry-run", "--config", str(cfg), "--nodes", "4", "--qos", "high"], check=True)
+    flags = sbatch_lines(res.stdout)
+    assert (flags["nodes"], flags["qos"]) == ("4", "high")  # flags win
+    assert (flags["gpus-per-node"], flags["ntasks-per-node"], flags["partition"], flags["time"]) == ("4", "2", "a100", "600")
+    assert flags["signal"] == "USR1@300"
+    assert "no-requeue" in flags and "requeue" not in flags
+    assert flags["job-name"] == "fromfile"
+
+
+def test_dry_run_of_a_sweep_is_a_job_array(launcher: Launcher) -> None:
+    res = launcher.run(SUBMIT + ["--dry-run", "--name", "sw", "--sweep", "train.lr=1e-3,3e-3,1e-2"], check=True)
+    flags = sbatch_lines(res.stdout)
+    assert flags["array"] == "0-2%3"
+    assert flags["output"] == str(launcher.cwd / "runs" / "sw" / "submitit" / "%A_%a" / "%A_%a_0_log.out")
+    assert not (launcher.cwd / "runs").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nodes", "0"], "--nodes: expected an integer >= 1"),
+    (["--nodes", "two"], "--nodes: expected an integer"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--cluster", "mars"], "argument --cluster: invalid choice"),
+    (["--cluster", "local", "--nodes", "2"], "--nodes 2 needs Slurm"),
+    (["--cluster", "debug", "--tasks-per-node", "2"], "--cluster debug runs one task"),
+    (["--cluster", "local", "--dry-run"], "--dry-run prints the sbatch script of a Slurm job"),
+    (["train.lr=-1"], "train.lr"),
+    (["train.lrr=1"], "unknown config key 'train.lrr'"),
+    (["notakey"], "bad override 'notakey'"),
+    (["--name", "a/b"], "run.name"),
+    (["--config", "missing.yaml"], "missing.yaml not found"),
+    (["--nodes", "3"], "not divisible by the world size 3"),
+    (["--sweep", "train.lr"], "bad --sweep 'train.lr'"),
+    (["--sweep", "slurm.nodes=1,2"], "--sweep cannot vary slurm.nodes"),
+    (["--sweep", "train.lr=1e-3,-1"], "train.lr"),
+    (["--summary", "nowhere"], "neither a sweep directory"),
+])
+def test_bad_options_fail_with_one_line_and_submit_nothing(launcher: Launcher, args: list[str], says: str) -> None:
+    res = launcher.run(SUBMIT + ["--dry-run" if "--cluster" not in args and "--summary" not in args else "--wait",
+                                 *args])
+    assert says in one_line_error(res)
+    assert res.stdout == ""
+    assert not (launcher.cwd / "runs").exists()
+
+
+def test_cluster_slurm_without_sbatch_is_a_clear_error(launcher: Launcher, tmp_path: Path) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    res = launcher.run(SUBMIT + ["--cluster", "slurm", *TINY], env=base_env(PATH=str(empty)))
+    assert "sbatch and srun not found on PATH" in one_line_error(res)
+    assert not (launcher.cwd / "runs").exists()
+
+
+def test_local_executor_runs_two_ranks_to_the_end(launcher: Launcher) -> None:
+    res = launcher.run(SUBMIT + ["--cluster", "local", "--tasks-per-node", "2", "--wait", "--name", "loc", *TINY])
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = launcher.cwd / "runs" / "loc"
+    job_id = re.search(r"^job: (\d+) \(local: 1 node\(s\) x 2 task\(s\)\)$", res.stdout, re.M)[1]
+    assert f"run directory: {run}\n" in res.stdout
+    log0 = run / "submitit" / job_id / f"{job_id}_0_log.out"
+    assert f"log of rank 0: {log0}\n" in res.stdout
+    assert "starting run" in res.stdout and "world size 2" in res.stdout  # rank 0's log, streamed
+    assert re.search(r"^finished: 20 steps, final test accuracy \d+\.\d\d%; run directory ", res.stdout, re.M)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    start = rows[0]
+    assert (start["kind"], start["world_size"], start["launcher"]) == ("start", 2, "torchrun")
+    assert rows[-1]["kind"] == "end" and rows[-1]["step"] == 20
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["slurm"]["tasks_per_node"] == 2  # the flag is recorded as a config override
+    assert {p.name for p in log0.parent.glob("*_result.pkl")} == {f"{job_id}_0_result.pkl", f"{job_id}_1_result.pkl"}
+
+    # The same name with a different config is refused before anything is submitted.
+    again = launcher.run(SUBMIT + ["--cluster", "local", "--name", "loc", *TINY[:-1], "train.lr=0.1"])
+    assert "holds a run with another config (train.lr" in one_line_error(again)
+    assert sorted(p.name for p in (run / "submitit").iterdir()) == sorted([job_id, "%j"])
+
+
+def test_wait_exits_with_trainings_status_and_the_failing_ranks_lines(launcher: Launcher) -> None:
+    # bf16 on CPU passes the config checks but training refuses it once running: exit 2 inside the job.
+    res = launcher.run(SUBMIT + ["--cluster", "local", "--wait", "--name", "bad", *TINY, "train.precision=bf16"])
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert ("rank 0 failed: training exited 2 on rank 0 (usage or config error): train.precision=bf16 needs CUDA"
+            in res.stderr)
+    assert "--- last lines of the failing rank's log" in res.stdout
+
+
+def test_local_sweep_makes_one_run_per_value_and_a_summary(launcher: Launcher) -> None:
+    res = launcher.run(SUBMIT + ["--cluster", "local", "--wait", "--name", "lrs", "--sweep", "train.lr=1e-3,1e-2",
+                                 *TINY])
+    assert res.returncode == 0, res.stdout + res.stderr
+    root = launcher.cwd / "runs" / "lrs"
+    assert sorted(p.name for p in root.iterdir() if (p / "config.yaml").exists()) == ["lr=1e-2", "lr=1e-3"]
+    for name, lr in (("lr=1e-3", 1e-3), ("lr=1e-2", 1e-2)):
+        saved = yaml.safe_load((root / name / "config.yaml").read_text())
+        assert saved["train"]["lr"] == lr and saved["run"]["name"] == name
+    manifest = json.loads((root / "sweep.json").read_text())
+    assert [r["overrides"] for r in manifest["runs"]] == [["train.lr=1e-3"], ["train.lr=1e-2"]]
+
+    summary = launcher.run(SUBMIT + ["--summary", str(root)], check=True).stdout
+    rows = [line.split() for line in summary.splitlines()[2:]]
+    assert [r[:4] for r in rows] == [["lr=1e-3", "1e-3", "finished", "20"], ["lr=1e-2", "1e-2", "finished", "20"]]
+    for r in rows:
+        assert re.fullmatch(r"\d+\.\d\d%", r[4]), summary
+    assert summary in res.stdout  # --wait ends with the same table
