@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         code = _after_init(args, env, rep, device, watchdog, say, grace)
     except Exception as exc:  # a collective failed: a peer died or timed out
         gist = logs.collective_failure(exc) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        say(fail_line(rep.where(), Failure("collective failed", f"{gist} (another rank probably failed: see its line)")))
+        failure = Failure("collective failed", f"{gist} (another rank probably failed: see its line)")
+        say(fail_line(rep.where(), failure))
         code = EXIT_FAIL
     # Leaving the group must not hang either; the verdict is already out, so keep its exit status.
     watchdog.arm(args.timeout + grace, lambda: f"doctor: {rep.where()}: leaving the process group hung", code)

@@ -79,8 +79,26 @@ def wrap_ddp(model: nn.Module, device: torch.device, world_size: int) -> nn.Modu
     """
     if world_size == 1:
         return model
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                     gradient_as_bucket_view=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                    gradient_as_bucket_view=True)
+    settle_buckets(ddp, model, device)
+    return ddp
+
+
+def settle_buckets(ddp: nn.Module, model: nn.Module, device: torch.device) -> None:
+    """One throwaway backward, so that every real step reduces gradients in DDP's final bucket layout.
+
+    DDP sums gradients in the layout of its buckets and rebuilds that layout after the first backward
+    (in the order the gradients became ready). With three or more ranks the layout decides in which
+    order the ranks' float gradients are added, so the first step of each launch would round
+    differently from the same step of an uninterrupted run, and a resumed run would not end
+    bit-identical. Eval mode: no dropout draw, no batch-norm statistics update; gradients dropped.
+    """
+    was_training = model.training
+    model.eval()
+    ddp(torch.zeros(1, 1, 28, 28, device=device)).sum().backward()
+    model.train(was_training)
+    model.zero_grad(set_to_none=True)
 
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):

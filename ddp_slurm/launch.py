@@ -20,7 +20,8 @@ milliseconds of interpreter start-up):
   happened.
 
 SIGTERM stays with torchrun: it passes it on to the workers and gives them ``--shutdown-timeout``
-seconds (default 30) to write their checkpoint and exit before it kills them.
+seconds (default 30) to write their checkpoint and exit before it kills them; the launcher then
+exits 128 + the signal number with one line instead of torchrun's traceback.
 
 Recent torch versions can also be told ``--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2``;
 the agent then forwards SIGUSR2 as well, but treats it as a shutdown: it kills workers still busy
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     log.propagate = False
 
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
     @record
@@ -119,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                          EXIT_STOPPED)
                 return EXIT_STOPPED
             raise
+        except SignalException as exc:
+            # SIGTERM & co. (a requeue, a preemption, scancel): torchrun has already passed it on to the
+            # workers and waited for them, which checkpoint on SIGTERM. One line instead of a traceback.
+            sig = signal.Signals(exc.sigval)
+            log.info("agent got %s: the workers were told to stop; exit %d", sig.name, 128 + sig)
+            return 128 + sig
         return 0
 
     return launch(torchrun.parse_args(sys.argv[1:] if argv is None else argv))

@@ -98,6 +98,19 @@ def is_active(job: Any, cluster: str, seen_ended: dict[str, int]) -> bool:
     return seen_ended[job.job_id] < 2
 
 
+def settle(job: Any, cluster: str, timeout_s: float = 60.0) -> None:
+    """Every task has returned; wait for the job itself to end (processes exit, Slurm completes the
+    step), so that whatever runs after ``--wait`` finds the job over and its nodes free."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cluster != "slurm":
+            if job.done():
+                return
+        elif (state := slurm_state(job.job_id)) is None or state in _ENDED:
+            return
+        time.sleep(0.5)
+
+
 def wait_for(jobs: list[Any], cluster: str, on_poll: Callable[[], None] = lambda: None,
              on_done: Callable[[Any], None] = lambda job: None) -> None:
     """Block until every job has a result from each task or has ended. Result files are checked every
@@ -111,10 +124,15 @@ def wait_for(jobs: list[Any], cluster: str, on_poll: Callable[[], None] = lambda
         if ask and cluster == "slurm":
             next_ask, interval = time.monotonic() + interval, min(15.0, interval * 1.5)
         for job in list(pending):
-            if all(r is not None for r in task_results(job)) or (ask and not is_active(job, cluster, seen_ended)):
-                time.sleep(0.5 if cluster == "slurm" else 0)  # a result file still landing on a shared file system
-                pending.remove(job)
-                on_done(job)
+            returned = all(r is not None for r in task_results(job))  # every task wrote its result
+            if not returned and not (ask and not is_active(job, cluster, seen_ended)):
+                continue  # pending or running
+            if returned:
+                settle(job, cluster)
+            elif cluster == "slurm":
+                time.sleep(0.5)  # a result file still landing on a shared file system
+            pending.remove(job)
+            on_done(job)
         if pending:
             time.sleep(1.0)
     on_poll()

@@ -89,7 +89,7 @@ def test_startup_smoke(tmp_path: Path) -> None:
 
 def test_tta_smoke(tmp_path: Path) -> None:
     """A low target the mlp reaches in its first epoch, and one no run can reach."""
-    p, text = bench(tmp_path, "tta", "--target", "0.5", "--seeds", "0", "1", "model.name=mlp", "train.epochs=2")
+    p, text = bench(tmp_path, "tta", "--target", "0.5", "--seeds", "0,1", "model.name=mlp", "train.epochs=2")
     assert [r["seed"] for r in p["runs"]] == [0, 1] and p["reached"] == 2
     for r in p["runs"]:
         assert r["accuracy"] >= 0.5 and r["epochs"] == 1 and positive(r["seconds"])

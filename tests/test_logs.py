@@ -13,7 +13,6 @@ import subprocess
 import sys
 import termios
 import time
-from pathlib import Path
 
 from conftest import base_env
 

@@ -96,7 +96,7 @@ class Launch:
         path = self.run_dir / "metrics.jsonl"
         return list(metrics.read(path))[self.first_row:] if path.exists() else []
 
-    def wait_for(self, what: str, ready: Callable[[], bool], poll_s: float = 0.002) -> None:
+    def wait_for(self, what: str, ready: Callable[[], bool], poll_s: float = 0.005) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while not ready():
             if self.proc.poll() is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a time limit, Ctrl-C of a wrapper) unwinds like an exception, so that the child processes
+    # a benchmark started are stopped by its ``finally`` blocks instead of being left behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     module = COMMANDS[args.command][0]
     try:

@@ -27,10 +27,21 @@ from . import common
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=0.97, help="test accuracy to reach, 0-1 (default 0.97)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed of each run (default 0 1 2)")
+    p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], help="run.seed of each run, comma-separated "
+                   "(default 0,1,2)")
     p.add_argument("--config", type=Path, help="job config (default: the built-in defaults)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=4")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take (default 1800)")
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,1,2") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats a seed")
+    return seeds
 
 
 def first_at_target(path: Path, target: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:

@@ -1,0 +1,73 @@
+"""On a CUDA GPU: NCCL at world size 1, training with the data resident on the GPU, bf16 autocast.
+
+Marked ``gpu``; ``benchmarks/gpu_check.sh`` runs them (``pytest -m gpu``). Without CUDA they skip with
+the reason, in CI too: CI machines never have a GPU, and this is the one prerequisite a CI run lacks
+by design (everything else in the suite fails instead of skipping there).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_slurm import config, data, engine, models
+
+from conftest import Launcher
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() "
+                                                                      "is false); run benchmarks/gpu_check.sh on one")]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_nccl_at_world_size_1_through_torchrun(launcher: Launcher) -> None:
+    """torchrun, one rank, dist.backend=nccl: the process group forms on the GPU and the run finishes."""
+    res = launcher.run(launcher.cmd_torchrun(1, "dist.backend=nccl", "model.name=mlp", "train.epochs=1",
+                                             "train.max_steps=20", "run.name=nccl1"), timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "backend nccl" in res.stderr and "device cuda" in res.stderr, res.stderr
+    evals = [r for r in _rows(launcher.cwd / "runs" / "nccl1") if r["kind"] == "eval"]
+    assert evals and evals[-1]["test_samples"] == 5000 and evals[-1]["accuracy"] > 0.5, evals
+
+
+def test_step_on_gpu_resident_data_never_waits_for_the_device() -> None:
+    """make_step on uint8 data held on the GPU learns, and its steps contain no host synchronisation."""
+    device = torch.device("cuda")
+    train, test = data.load_sample(train=True).to(device), data.load_sample(train=False).to(device)
+    cfg = config.load().train
+    torch.manual_seed(0)
+    model = models.build("cnn").to(device)
+    opt = engine.make_optimizer(cfg, model.parameters(), device)
+    assert opt.defaults.get("fused"), "CUDA has fused optimizer kernels: the step should use them"
+    step = engine.make_step(model, opt, engine.make_scheduler(cfg, opt, 2 * 39), train.images, train.labels)
+    assert train.images.device.type == "cuda" and train.images.dtype == torch.uint8
+    perms = [data.epoch_permutation(len(train), 0, epoch).to(device) for epoch in range(2)]  # copies synchronise
+    losses = [step(data.rank_batch(perms[0], 0, 128, 0, 1))]  # the first step may synchronise while it sets up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call in the steps below raises
+    try:
+        for epoch, perm in enumerate(perms):
+            losses += [step(data.rank_batch(perm, i, 128, 0, 1)) for i in range(1 if epoch == 0 else 0, 39)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert losses[-1].device.type == "cuda"
+    values = torch.stack(losses).tolist()
+    assert values[-1] < 0.5 * values[0], values
+    accuracy, images, _ = engine.evaluate(model, test, rank=0, world_size=1)
+    assert images == 5000 and accuracy > 0.9, accuracy
+
+
+def test_bf16_autocast_trains(launcher: Launcher) -> None:
+    """train.precision=bf16: the forward runs in bf16 and the cnn still learns (a real run on the GPU)."""
+    model = models.build("cnn").cuda()
+    with engine.autocast(torch.device("cuda"), "bf16"):
+        assert model(torch.randn(4, 1, 28, 28, device="cuda")).dtype == torch.bfloat16
+    res = launcher.run(launcher.cmd_train("train.precision=bf16", "train.epochs=2", "run.name=bf16"), timeout=600)
+    assert res.returncode == 0, res.stderr
+    evals = [r for r in _rows(launcher.cwd / "runs" / "bf16") if r["kind"] == "eval"]
+    assert len(evals) == 2 and evals[-1]["accuracy"] > 0.9, evals
