@@ -12,7 +12,8 @@ measures the resume (the step it resumed from, the time until its first step) an
 
 Reported per stop: the step when the signal was sent and where the ranks stopped (steps run after
 the signal), signal -> checkpoint on disk, signal -> last rank exited, signal -> launcher exited,
-the resume step (steps lost = stop step - resume step), and the relaunch's start-up time until its
+the resume step (steps lost = stop step - resume step), what a SIGKILL at the same moment would
+have lost (steps since the newest periodic or epoch-end checkpoint), and the relaunch's start-up time until its
 first training step. The machine's load average is printed too: on a shared machine all of these
 are noisy.
 """
@@ -78,6 +79,17 @@ def rows(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:  # a line being written
             pass
     return out
+
+
+def last_periodic_checkpoint(run_dir: Path, step: int) -> int:
+    """The newest checkpoint at or before ``step`` that a run never stopped by a signal would have:
+    every ``checkpoint.every_steps`` and at each epoch end. What a SIGKILL would fall back to."""
+    from ddp_slurm import config, data
+
+    cfg = config.read_resolved(run_dir / "config.yaml")
+    every = cfg.checkpoint.every_steps
+    per_epoch = data.steps_per_epoch(data.TRAIN_SIZES[cfg.data.source], cfg.train.global_batch_size)
+    return max((k for k in range(1, step + 1) if (every and k % every == 0) or k % per_epoch == 0), default=0)
 
 
 class Stop:
@@ -161,6 +173,7 @@ class Stop:
             "resumed_from": start["step"] if start["resumed"] else None,
             "startup_to_first_step_s": (first_step[0] if first_step else t_start_row) - self.t_launch,
             "step_at_signal": step_at_signal, "stop_step": stop["step"],
+            "lost_if_killed_steps": step_at_signal - last_periodic_checkpoint(self.run_dir, step_at_signal),
             "signal_to_checkpoint_s": appeared[name] - t0 if name in appeared else 0.0,  # 0: already on disk
             "signal_to_last_rank_exit_s": max(exited.values()) - t0,
             "signal_to_launcher_exit_s": t_launcher - t0,
@@ -171,7 +184,8 @@ class Stop:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=1, help="ranks (1: plain python, more: torchrun)")
-    parser.add_argument("--repeats", type=int, default=3, help="stops to measure (one more launch measures the last resume)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="stops to measure (one more launch measures the last resume)")
     parser.add_argument("--after", type=int, default=15, help="steps each launch trains before its signal")
     parser.add_argument("--keep", action="store_true", help="keep the run directory and logs")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
@@ -204,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             ("signal_to_checkpoint_s", "->ckpt s", "{:.3f}"), ("signal_to_last_rank_exit_s", "->rank exit s", "{:.2f}"),
             ("signal_to_launcher_exit_s", "->launcher exit s", "{:.2f}"), ("exit_code", "exit", "{}"),
             ("resume_step", "resumed at", "{}"), ("steps_lost_on_resume", "steps lost", "{}"),
+            ("lost_if_killed_steps", "lost if SIGKILLed", "{}"),
             ("relaunch_to_first_step_s", "relaunch->1st step s", "{:.1f}")]
     print("  ".join(f"{title:>{max(len(title), 8)}}" for _, title, _ in cols))
     for r in results:

@@ -6,8 +6,8 @@ sees either the previous set of checkpoints or the new one, never half a file. O
 ones pruned to ``keep``.
 
 Reading: ``torch.load(weights_only=True)`` (a tampered file cannot run code), then a structural check
-and a SHA-256 over every tensor's bytes, recorded at save time. A zip container does not notice a
-flipped bit inside tensor data; the digest does. ``load_latest`` walks from the newest step down and
+and a SHA-256 over every tensor's bytes and every plain value, recorded at save time. A zip container
+does not notice a flipped bit inside tensor data (nor in the pickled step or epoch); the digest does. ``load_latest`` walks from the newest step down and
 returns the first checkpoint that passes, warning about each one it skips.
 """
 from __future__ import annotations
@@ -58,13 +58,27 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(item, f"{prefix}/{i}")
 
 
+def _skeleton(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a marker: the plain values (step, epoch, config, ...)."""
+    if isinstance(obj, torch.Tensor):
+        return "<tensor>"
+    if isinstance(obj, dict):
+        return [(str(key), _skeleton(obj[key])) for key in sorted(obj, key=str)]
+    if isinstance(obj, (list, tuple)):
+        return [_skeleton(item) for item in obj]
+    return obj
+
+
 def content_digest(state: dict[str, Any]) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of every tensor outside the digest field."""
+    """SHA-256 over the names, dtypes, shapes and bytes of every tensor outside the digest field, and
+    over every plain value: a flipped bit in the pickled step or epoch must not pass either."""
     h = hashlib.sha256()
-    for name, t in _tensors({k: v for k, v in state.items() if k != "content_sha256"}):
+    body = {k: v for k, v in state.items() if k != "content_sha256"}
+    for name, t in _tensors(body):
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(repr(_skeleton(body)).encode())
     return h.hexdigest()
 
 
@@ -74,6 +88,33 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a half-written temporary file; on a read-only file system even that fails (EROFS)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+class _Sink:
+    """The file object torch.save writes to, keeping the first OSError: torch's zip writer turns a
+    failed write (ENOSPC, EDQUOT, EIO) into "unexpected pos 326144 vs 326036" and loses the reason."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def save(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
@@ -87,21 +128,24 @@ def save(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
     tmp = folder / f".{final.name}.tmp-{os.getpid()}"
     state = dict(state, format=FORMAT)
     state["content_sha256"] = content_digest(state)
+    sink: _Sink | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            sink = _Sink(f)
+            torch.save(state, sink)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
         _fsync_dir(folder)
-    except (OSError, RuntimeError) as exc:  # torch.save wraps ENOSPC in RuntimeError
-        tmp.unlink(missing_ok=True)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        _discard(tmp)
+        exc = sink.error if sink is not None and sink.error is not None else exc
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise CheckpointError(f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
                               "free space or fix permissions, then launch again to resume") from None
     except BaseException:  # anything else (a state pickle cannot write, KeyboardInterrupt): no half file left
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
     for _, old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)

@@ -46,9 +46,9 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 6
+    epochs: int = 4
     """Passes over the training set."""
-    global_batch_size: int = 128
+    global_batch_size: int = 64
     """Samples per optimizer step over all ranks; each rank takes ``global_batch_size / world_size``."""
     lr: float = 4e-3
     """Peak learning rate (the one-cycle schedule's maximum; the constant rate otherwise)."""

@@ -45,8 +45,8 @@ def eager(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
         with torch.no_grad():
             return step(self, closure)
 
-    return type(cls.__name__, (cls,), {**plain, "step": eager_step, "__module__": __name__,
-                                       "__doc__": f"torch.optim.{cls.__name__} without its torch.compile guards (see engine.eager)"})
+    doc = f"torch.optim.{cls.__name__} without its torch.compile guards (see engine.eager)"
+    return type(cls.__name__, (cls,), {**plain, "step": eager_step, "__module__": __name__, "__doc__": doc})
 
 
 def make_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:
@@ -57,17 +57,19 @@ def make_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opti
     torch has fused kernels for CUDA only and gets the multi-tensor path instead.
     """
     params = list(params)
-    for fast in ({"fused": True}, {"foreach": True}):
-        try:
-            if cfg.optimizer == "adam":
-                return eager(torch.optim.Adam)(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
-            if cfg.optimizer == "adamw":
-                return eager(torch.optim.AdamW)(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
-            return eager(torch.optim.SGD)(params, lr=cfg.lr, momentum=0.9, nesterov=True,
-                                          weight_decay=cfg.weight_decay, **fast)
-        except RuntimeError:  # "fused=True requires ... supported devices": this torch has none for the device
-            continue
-    raise AssertionError("unreachable: the foreach path exists on every device")
+
+    def build(**fast: bool) -> torch.optim.Optimizer:
+        if cfg.optimizer == "adam":
+            return eager(torch.optim.Adam)(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
+        if cfg.optimizer == "adamw":
+            return eager(torch.optim.AdamW)(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
+        return eager(torch.optim.SGD)(params, lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
+                                      **fast)
+
+    try:
+        return build(fused=True)
+    except RuntimeError:  # "`fused=True` requires ... supported devices": this torch has none for the device
+        return build(foreach=True)
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:

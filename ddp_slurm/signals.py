@@ -5,12 +5,13 @@ next step boundary and all ranks agree (with one small all-reduce) on stopping a
 SIGTERM always means "checkpoint and stop"; the configured signal (SIGUSR2 by default, the one
 Slurm's ``--signal`` sends before the time limit) additionally means "requeue me".
 
-Once the ranks have agreed to stop, the loop sets ``stopping`` and the entry point's ``close()``
-ignores the stop signals for the rest of the process's life instead of restoring the defaults:
-torchrun's agent sends SIGTERM to the remaining workers as soon as one of them has exited 75, and
-that second signal must not turn a clean, checkpointed stop into death by signal while the rank is
-still shutting down. It has to be SIG_IGN: Python's own shutdown (seconds, with torch loaded) resets
-every Python-level handler to the default first, but leaves ignored signals ignored.
+Once the ranks have agreed to stop (or have finished), the loop sets ``stopping`` and the entry
+point's ``close()`` ignores the stop signals for the rest of the process's life instead of restoring
+the defaults: torchrun's agent sends SIGTERM to the remaining workers as soon as one of them has
+exited 75, and that second signal must not turn a clean, checkpointed stop (or a finished run) into
+death by signal while the rank is still shutting down. It has to be SIG_IGN: Python's own shutdown
+(seconds, with torch loaded) resets every Python-level handler to the default first, but leaves
+ignored signals ignored.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class StopFlag:
         self.requeue_signal = requeue_signal
         self.requeue_requested = False  # the configured signal arrived (time limit / manual stop)
         self.terminate_requested = False  # SIGTERM arrived (preemption, scancel, torchrun shutting down)
-        self.stopping = False  # set by the loop once every rank agreed to stop (this rank's signal or a peer's)
+        self.stopping = False  # set by the loop once every rank agreed to stop (or finished): see close()
         self._previous: dict[int, Callable | int | None] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

@@ -138,15 +138,23 @@ def wait_for(jobs: list[Any], cluster: str, on_poll: Callable[[], None] = lambda
     on_poll()
 
 
+def finished_message(result: dict[str, Any]) -> str:
+    """One line from rank 0's result (``TrainJob``'s return value)."""
+    acc = result.get("final_accuracy")
+    return (f"finished: {result['step']} steps, final test accuracy {'n/a' if acc is None else f'{100 * acc:.2f}%'}; "
+            f"run directory {result['run_dir']}")
+
+
+STOPPED_MESSAGE = ("stopped on a signal with a checkpoint at step {step} and not requeued: "
+                   "submit the same command again to resume")
+
+
 def outcome(job: Any, run_dir: Path, cluster: str) -> Outcome:
     """What the ended job left behind, as an exit status and a message."""
     results = task_results(job)
     first = results[0]
     if first is not None and first[0] == "success":
-        r = first[1]
-        acc = r.get("final_accuracy")
-        return Outcome(0, f"finished: {r['step']} steps, final test accuracy "
-                          f"{'n/a' if acc is None else f'{100 * acc:.2f}%'}; run directory {r['run_dir']}", [])
+        return Outcome(0, finished_message(first[1]), [])
     errors = [(task, res[1]) for task, res in enumerate(results) if res is not None and res[0] == "error"]
     if errors:
         task, trace = errors[0]
@@ -157,16 +165,17 @@ def outcome(job: Any, run_dir: Path, cluster: str) -> Outcome:
                        last_lines(job.task(task).paths.stdout))
     run = summarize(run_dir)
     if run.status == "stopped":
-        return Outcome(EXIT_STOPPED, f"stopped on a signal with a checkpoint at step {run.step} and not requeued: "
-                                     "submit the same command again to resume", [])
+        return Outcome(EXIT_STOPPED, STOPPED_MESSAGE.format(step=run.step), [])
     if run.status == "finished":
         return Outcome(0, f"finished: {run.step} steps (no result file); run directory {run_dir}", [])
     state = slurm_state(job.job_id) if cluster == "slurm" else None
-    return Outcome(1, f"job {job.job_id} ended{f' ({state})' if state else ''} without a result: "
-                      f"killed, cancelled or lost its node; rank 0's last lines below", last_lines(job.task(0).paths.stdout))
+    return Outcome(1, f"job {job.job_id} ended{f' ({state})' if state else ''} without a result: killed, "
+                      "cancelled or lost its node; rank 0's last lines above", last_lines(job.task(0).paths.stdout))
 
 
-def report(result: Outcome, out: TextIO = sys.stdout) -> int:
+def report(result: Outcome, out: TextIO | None = None) -> int:
+    """Print the outcome (the failing rank's lines on stdout, a failure's one line on stderr); its code."""
+    out = out or sys.stdout
     if result.detail:
         out.write("--- last lines of the failing rank's log\n" + "\n".join(result.detail) + "\n---\n")
     print(result.message, file=out if result.code == 0 else sys.stderr)

@@ -28,6 +28,9 @@ from .signals import StopFlag, parse_signal
 
 EXIT_STOPPED = 75
 _MEANING = {1: "failure", 2: "usage or config error", 3: "requeue cap reached (slurm.max_requeues)"}
+# Layout variables a submitting shell may export (after a torchrun session) that must not reach a Slurm task.
+_SUBMITTER_LAYOUT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                     "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT")
 
 
 class TrainingFailed(RuntimeError):
@@ -96,6 +99,11 @@ class TrainJob:
             for key in [k for k in os.environ if k.startswith("SLURM_")]:
                 del os.environ[key]
             os.environ.update(local_rank_environ(job_env, self.master_port))
+        elif job_env.cluster == "slurm":
+            # The srun step describes the layout; torchrun variables (and a MASTER_ADDR) exported from
+            # the submitting shell would win over it and describe something else.
+            for key in _SUBMITTER_LAYOUT:
+                os.environ.pop(key, None)
         os.chdir(self.workdir)
         # submitit's logger also propagates to the root logger that training sets up: every line twice.
         logging.getLogger("submitit").propagate = False

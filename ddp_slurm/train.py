@@ -36,13 +36,17 @@ class UsageError(RuntimeError):
     """A usage problem found once the ranks are up (run directory busy or holding another config): exit 2."""
 
 
+class RunDirError(RuntimeError):
+    """The run directory cannot be written (read-only or full file system, permissions)."""
+
+
 class NonFiniteLoss(RuntimeError):
     """The loss or the weights became NaN/inf: stop before anything is saved."""
 
 
 # Errors whose message says it all: logged as one line, no traceback.
 EXPECTED_ERRORS = (checkpoint.CheckpointError, data.DataError, NonFiniteLoss, BootstrapError, RunLocked,
-                   bootstrap.RendezvousError, watchdog.PeerLost)
+                   bootstrap.RendezvousError, watchdog.PeerLost, RunDirError)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -107,14 +111,17 @@ def prepare_run_dir(cfg: Config, lock: RunLock) -> tuple[Path, dict[str, Any]] |
         if diffs:
             raise UsageError(f"run directory {run_dir} holds a run with another config ({'; '.join(diffs)}): "
                              "launch with the same settings to resume it, or choose another run.name")
-    run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
+        checkpoint.remove_stale_temporaries(run_dir)
+        found = checkpoint.latest(run_dir)
+        config.dump(cfg, saved)
     except RunLocked as exc:
         raise UsageError(str(exc)) from None
-    checkpoint.remove_stale_temporaries(run_dir)
-    found = checkpoint.latest(run_dir)
-    config.dump(cfg, saved)
+    except OSError as exc:  # a read-only or full file system, no permission: one line, not a traceback
+        raise RunDirError(f"cannot write the run directory {run_dir}: {exc.strerror or exc} ({exc.filename}); "
+                          "make it writable or choose another run.output_root") from None
     return found
 
 
@@ -284,7 +291,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
         requeue, terminate, bad = sync_flags(stop, loss, flags, ws)  # one small all-reduce per step
         if bad:
             raise NonFiniteLoss(f"loss is {loss.item()} at step {pos.step} (epoch {pos.epoch + 1}): stopping; "
-                                "no checkpoint holds these weights (lower train.lr?)")
+                                "nothing non-finite was saved (lower train.lr and start a new run.name)")
 
     progress.end_epoch()
     if (requeue or terminate) and pos.step < total_steps:

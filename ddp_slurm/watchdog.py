@@ -122,11 +122,14 @@ class Watchdog:
             lost = self._scan()
             self._op("set", "verdict", f"{len(lost)}\t{self._describe(lost)}")
             return len(lost), self._describe(lost)
-        try:
-            self._op("wait", ["verdict"], timedelta(seconds=self.grace_s + 2 * self.interval_s + 5))
-        except Exception:  # the scanning rank died or hung: scan here instead
-            lost = self._scan()
-            return len(lost), self._describe(lost)
+        # Poll rather than store.wait(): a blocking wait would hold the connection's lock, and with it
+        # this rank's heartbeat, so that the scanning rank would count this one as lost too.
+        deadline = time.monotonic() + self.grace_s + 2 * self.interval_s + 5
+        while not self._op("check", ["verdict"]):
+            if time.monotonic() > deadline:  # the scanning rank died or hung: scan here instead
+                lost = self._scan()
+                return len(lost), self._describe(lost)
+            time.sleep(0.2)
         count, _, text = self._op("get", "verdict").decode().partition("\t")
         return int(count), text
 

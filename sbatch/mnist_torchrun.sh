@@ -48,6 +48,10 @@
 # argument after the script name replaces it.
 set -uo pipefail
 
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+    echo "error: this is a Slurm batch script: submit it with \`sbatch $0 [KEY=VALUE ...]\` (or run it inside an salloc allocation)" >&2
+    exit 2
+fi
 PYTHON=$(command -v "${DDP_SLURM_PYTHON:-python}") || {
     echo "error: no '${DDP_SLURM_PYTHON:-python}' on PATH: activate the project's environment before sbatch, or set DDP_SLURM_PYTHON=/path/to/venv/bin/python" >&2
     exit 2

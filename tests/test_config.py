@@ -28,7 +28,7 @@ def test_defaults_without_a_file() -> None:
     assert cfg == Config()
     assert cfg.data.source == "sample"
     assert cfg.model.name == "cnn"
-    assert (cfg.train.epochs, cfg.train.global_batch_size, cfg.train.lr) == (6, 128, 4e-3)
+    assert (cfg.train.epochs, cfg.train.global_batch_size, cfg.train.lr) == (4, 64, 4e-3)
     assert (cfg.train.optimizer, cfg.train.schedule, cfg.train.max_steps) == ("adam", "onecycle", None)
     assert cfg.run_dir == Path("runs") / "mnist-sample"
 
@@ -90,7 +90,7 @@ def test_overrides_apply_after_the_file_and_in_order(tmp_path: Path) -> None:
     cfg = config.load(path, ["train.epochs=2", "train.epochs=4"])
     assert cfg.train.epochs == 4  # the last override wins
     assert cfg.train.lr == 0.01  # the file's value where nothing overrides it
-    assert cfg.train.global_batch_size == 128  # the default where neither says anything
+    assert cfg.train.global_batch_size == 64  # the default where neither says anything
 
 
 def test_empty_file_is_the_defaults(tmp_path: Path) -> None:

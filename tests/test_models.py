@@ -33,9 +33,9 @@ def test_mlp_is_784_100_10() -> None:
 def test_cnn_parameter_count() -> None:
     model = models.build("cnn")
     w = model.width
-    convs = 1 * w * 9 + w * 2 * w * 9 + 2 * w * 4 * w * 9  # bias-free: batch norm follows each conv
+    convs = 1 * w * 25 + w * 2 * w * 9 + 2 * w * 4 * w * 9  # bias-free: batch norm follows each conv
     norms = 2 * (w + 2 * w + 4 * w)
-    head = 4 * w * 10 + 10
+    head = 4 * w * 9 * 10 + 10  # on the flattened 3x3 map
     assert _params(model) == convs + norms + head
     assert _params(model) < 100_000  # small: an epoch of the sample is seconds on a CPU
 

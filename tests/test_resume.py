@@ -36,7 +36,7 @@ STEPS_PER_EPOCH = 5000 // 64
 MLP = ["model.name=mlp", "train.global_batch_size=64", "train.epochs=3", "train.log_every_steps=2",
        "checkpoint.every_steps=10", "checkpoint.keep=100", f"run.name={RUN_NAME}"]
 MLP_TOTAL = 3 * STEPS_PER_EPOCH  # 234 steps
-# A CNN for the evaluation window: its evaluation of the 5,000 test images takes seconds on one thread.
+# A CNN for the evaluation window: evaluating the 5,000 test images takes it about 0.5 s on one core.
 CNN_EPOCH = 5000 // 128
 CNN = ["model.name=cnn", "train.global_batch_size=128", "train.epochs=2", "train.max_steps=45",
        f"train.log_every_steps={CNN_EPOCH // 3}", "checkpoint.every_steps=10", "checkpoint.keep=100",
@@ -105,7 +105,7 @@ class Launch:
                 self.fail(f"timed out waiting for {what}")
             time.sleep(poll_s)
 
-    def wait_for_row(self, what: str, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    def wait_for_row(self, what: str, match: Callable[[dict[str, Any]], bool], poll_s: float = 0.005) -> dict[str, Any]:
         """Wait until this launch wrote a metrics row that ``match``es; return it."""
         found: list[dict[str, Any]] = []
 
@@ -113,7 +113,7 @@ class Launch:
             found[:] = [r for r in self.rows() if match(r)]
             return bool(found)
 
-        self.wait_for(what, ready)
+        self.wait_for(what, ready, poll_s)
         return found[0]
 
     def worker(self, rank: int) -> int:
@@ -135,6 +135,21 @@ class Launch:
 
     def signal(self, rank: int, sig: signal.Signals) -> None:
         os.kill(self.worker(rank), sig)
+
+    def sigterm_during_shutdown(self) -> None:
+        """What torchrun's agent does as soon as one worker has exited: SIGTERM to the others. Sent
+        here to every rank once it has written its stop and let go of its handlers, i.e. while
+        Python shuts down (seconds, with torch loaded): a clean stop must still exit 75."""
+        pids = [self.worker(rank) for rank in range(self.world_size)]
+        self.wait_for_row("the stop line", lambda r: r["kind"] == "stop")
+        deadline = time.monotonic() + TIMEOUT_S
+        for pid in pids:
+            while catches(pid, signal.SIGTERM) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:  # already gone: nothing left to interrupt
+                pass
 
     def finish(self) -> tuple[int, str]:
         try:
@@ -195,7 +210,8 @@ def assert_stopped(launch: Launch) -> dict[str, Any]:
     stop = stops[0]
     assert f"stopped on signal at step {stop['step']} with a checkpoint" in text
     state = checkpoint.load_latest(launch.run_dir)
-    assert state is not None and (state["step"], state["epoch"], state["finished"]) == (stop["step"], stop["epoch"], False)
+    assert state is not None
+    assert (state["step"], state["epoch"], state["finished"]) == (stop["step"], stop["epoch"], False)
     assert (launch.run_dir / "checkpoints" / f"step-{stop['step']}.pt").exists()
     assert not [p for p in (launch.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     return stop
@@ -262,6 +278,7 @@ def test_signal_to_one_rank_stops_all_and_resume_is_exact(references: References
     first.wait_until_catching(signal.SIGUSR2)
     first.wait_for_row("training to pass step 10", lambda r: r["kind"] == "train" and r["step"] >= 10)
     first.signal(world_size - 1, signal.SIGUSR2)
+    first.sigterm_during_shutdown()
     stop = assert_stopped(first)
     assert stop["requeue"] is True  # the requeue signal, outside Slurm: nothing to requeue, exit 75 all the same
     assert 10 <= stop["step"] < STEPS_PER_EPOCH, f"expected a stop inside the first epoch, got {stop}"
@@ -334,7 +351,9 @@ def test_signal_during_evaluation(references: References, launches: list[Launch]
     reference = references.final("cnn-1")
     first = start(launches, tmp_path, 1, CNN)
     first.wait_until_catching(signal.SIGUSR2)
-    first.wait_for_row("the epoch's last training line", lambda r: r["kind"] == "train" and r["step"] == CNN_EPOCH)
+    # The evaluation (about half a second on one core) starts right after this line: react within a millisecond.
+    first.wait_for_row("the epoch's last training line", lambda r: r["kind"] == "train" and r["step"] == CNN_EPOCH,
+                       poll_s=0.001)
     pid = first.worker(0)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -378,7 +397,8 @@ def test_resume_at_another_world_size(references: References, launches: list[Lau
     state = checkpoint.load_latest(first.run_dir)
     assert state["finished"] and state["step"] == MLP_TOTAL and state["world_size"] == 1
     for name, t in state["model"].items():
-        torch.testing.assert_close(t, reference["model"][name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        # Measured: about 1e-7 apart (summation order); resuming at the wrong sample is about 1e-1 apart.
+        torch.testing.assert_close(t, reference["model"][name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 SCONTROL_STUB = """#!/bin/sh

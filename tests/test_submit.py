@@ -70,7 +70,8 @@ def test_dry_run_takes_defaults_from_the_config_and_flags_win(launcher: Launcher
     res = launcher.run(SUBMIT + ["--dry-run", "--config", str(cfg), "--nodes", "4", "--qos", "high"], check=True)
     flags = sbatch_lines(res.stdout)
     assert (flags["nodes"], flags["qos"]) == ("4", "high")  # flags win
-    assert (flags["gpus-per-node"], flags["ntasks-per-node"], flags["partition"], flags["time"]) == ("4", "2", "a100", "600")
+    assert (flags["gpus-per-node"], flags["ntasks-per-node"]) == ("4", "2")
+    assert (flags["partition"], flags["time"]) == ("a100", "600")
     assert flags["signal"] == "USR1@300"
     assert "no-requeue" in flags and "requeue" not in flags
     assert flags["job-name"] == "fromfile"
@@ -140,7 +141,8 @@ def test_local_executor_runs_two_ranks_to_the_end(launcher: Launcher) -> None:
     # The same name with a different config is refused before anything is submitted.
     again = launcher.run(SUBMIT + ["--cluster", "local", "--name", "loc", *TINY[:-1], "train.lr=0.1"])
     assert "holds a run with another config (train.lr" in one_line_error(again)
-    assert sorted(p.name for p in (run / "submitit").iterdir()) == sorted([job_id, "%j"])
+    # (submitit's local controller also leaves an empty folder literally named "%j")
+    assert [p.name for p in (run / "submitit").iterdir() if p.name != "%j"] == [job_id]
 
 
 def test_wait_exits_with_trainings_status_and_the_failing_ranks_lines(launcher: Launcher) -> None:

@@ -1,6 +1,6 @@
 """Training end to end, as real processes: 2-rank torchrun on CPU (gloo), 1 rank, relaunch, defaults.
 
-The two mlp runs use the default settings (global batch 128, 6 epochs) and differ only in the world
+The two mlp runs use the default settings (global batch 64, 4 epochs) and differ only in the world
 size, so they double as the check that 1 and 2 processes train the same model and as the check of
 the mlp accuracy target; the no-argument run is the cnn target.
 """
@@ -95,8 +95,8 @@ def test_two_process_torchrun_run(mlp_runs) -> None:
     rows = _check_contract(run_dir, overrides, world_size=2)
     assert rows[0]["world_size"] == 2 and rows[0]["launcher"] == "torchrun"
     # rank 0 reports every epoch: loss, accuracy and throughput, and where the run is
-    epoch_lines = [line for line in res.stderr.splitlines() if re.search(r"epoch \d/6: train loss", line)]
-    assert len(epoch_lines) == 6 and all("test accuracy" in line and "samples/s" in line for line in epoch_lines)
+    epoch_lines = [line for line in res.stderr.splitlines() if re.search(r"epoch \d/4: train loss", line)]
+    assert len(epoch_lines) == 4 and all("test accuracy" in line and "samples/s" in line for line in epoch_lines)
     assert "runs/mlp-ws2" in res.stderr
     assert "Traceback" not in res.stderr
 
@@ -136,7 +136,7 @@ def test_relaunching_a_finished_run_does_nothing(mlp_runs) -> None:
     res = launcher.run(launcher.cmd_torchrun(2, *overrides), timeout=600)
     assert res.returncode == 0, res.stderr
     assert "already finished" in res.stderr
-    assert not re.search(r"epoch \d/6: train loss", res.stderr)  # no epoch trained or evaluated again
+    assert not re.search(r"epoch \d/4: train loss", res.stderr)  # no epoch trained or evaluated again
     after = _snapshot(run_dir)
     assert {k: v for k, v in after.items() if k != "config.yaml"} == \
            {k: v for k, v in before.items() if k != "config.yaml"}
@@ -160,7 +160,7 @@ def test_max_steps_ends_training_early(launcher: Launcher) -> None:
 
 @pytest.mark.slow
 def test_no_arguments_trains_the_cnn_on_the_sample_to_target(launcher: Launcher) -> None:
-    """``python -m ddp_slurm.train`` alone: the offline default (bundled sample, cnn, 6 epochs)."""
+    """``python -m ddp_slurm.train`` alone: the offline default (bundled sample, cnn, 4 epochs)."""
     res = launcher.run(launcher.cmd_train(), timeout=1800)
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     run_dir = launcher.cwd / "runs" / "mnist-sample"

@@ -29,8 +29,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to FILE")
         p.add_argument("--threads", type=int, default=None,
-                       help="torch intra-op threads (default: what ddp_slurm.train would use; for ddp: per rank, "
-                            "default half the CPUs)")
+                       help="torch intra-op threads (default: what ddp_slurm.train would use); for startup and tta "
+                            "those of the training processes (OMP_NUM_THREADS), for ddp per rank (default: half "
+                            "the CPUs)")
         module.add_arguments(p)
     return parser.parse_args(argv)
 

@@ -47,7 +47,8 @@ def load_average() -> float | None:
 
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
-                            "cpus": usable_cpus(), "python": platform.python_version(), "load_average_1m": load_average()}
+                            "cpus": usable_cpus(), "python": platform.python_version(),
+                            "load_average_1m": load_average()}
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info

@@ -175,7 +175,8 @@ def worker(argv: list[str]) -> int:
                     if position["i"] == per_epoch:
                         position["epoch"] += 1
                         position["i"] = 0
-                        position["perm"] = data.epoch_permutation(len(train), cfg.run.seed, position["epoch"]).to(device)
+                        perm = data.epoch_permutation(len(train), cfg.run.seed, position["epoch"])
+                        position["perm"] = perm.to(device)
                     step(data.rank_batch(position["perm"], position["i"], G, env.rank, env.world_size))
                     position["i"] += 1
 

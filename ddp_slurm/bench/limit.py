@@ -113,7 +113,8 @@ def render(p: dict[str, Any]) -> str:
     notes = [f"fraction of the compute-bound limit: {100 * p['fraction_of_limit']:.0f}% "
              f"(median of the per-round fractions: {', '.join(f'{100 * f:.0f}' for f in p['fraction_per_round'])})",
              f"FLOPs per sample: forward {p['forward_flops_per_sample']:,.0f}, training 3x forward = "
-             f"{p['training_flops_per_sample']:,.0f}; counted forward+backward {p['counted_training_flops_per_sample']:,.0f} "
-             f"-> {100 * p['fraction_of_limit_counted']:.0f}% of the limit",
+             f"{p['training_flops_per_sample']:,.0f}; counted forward+backward "
+             f"{p['counted_training_flops_per_sample']:,.0f} -> "
+             f"{100 * p['fraction_of_limit_counted']:.0f}% of the limit",
              f"load average {p['machine']['load_average_1m']}"]
     return common.table(title, ["measurement", "median", "min-max", "spread"], rows, notes)

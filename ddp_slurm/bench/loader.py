@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=models.MODELS, default="mlp")
     p.add_argument("--batch", type=int, default=128, help="batch size of both pipelines (default 128)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--rounds", type=int, default=5, help="A B rounds after the warm-up (default 5)")
+    p.add_argument("--rounds", type=int, default=7, help="A B rounds after the warm-up (default 7)")
     p.add_argument("--samples", type=int, default=4992,
                    help="samples each pipeline trains per round, rounded down to full batches (default: one epoch)")
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps of each pipeline (default 10)")
@@ -150,7 +150,8 @@ def render(p: dict[str, Any]) -> str:
              f"{q['rounds']} rounds of {q['samples_per_round']:,} samples each, A B A B after a warm-up")
     rows = [["(a) seed-style: torchvision MNIST + ToTensor + Normalize + DataLoader",
              *common.fmt_spread(p["seed_samples_per_s"])],
-            ["(b) ddp_slurm: engine.make_step, uint8 data on the device", *common.fmt_spread(p["ddp_slurm_samples_per_s"])]]
+            ["(b) ddp_slurm: engine.make_step, uint8 data on the device",
+             *common.fmt_spread(p["ddp_slurm_samples_per_s"])]]
     notes = [f"ratio (b)/(a) of the medians: {p['ratio']:.1f}x  "
              f"(per round: {', '.join(f'{r:.1f}' for r in p['ratio_per_round'])})",
              f"same model and initial weights; optimizer {q['optimizer']}, the seed with torch's defaults; "

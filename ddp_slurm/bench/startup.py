@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import common
 
 MARK = "ddp_slurm-bench-mark"
@@ -48,12 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600, help="seconds one child may take (default 600)")
 
 
-def time_to_mark(cmd: list[str], cwd: Path, timeout: float) -> float:
+def time_to_mark(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> float:
     """Seconds from starting ``cmd`` to its line ``MARK`` on stdout; an error with its output if none comes."""
     log = cwd / "child.log"
     with open(log, "w") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=common.child_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:  # blocks until the child writes a line or exits
@@ -73,15 +75,17 @@ def time_to_mark(cmd: list[str], cwd: Path, timeout: float) -> float:
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     torch_s, train_s = [], []
     extra = ["--config", str(args.config.resolve())] if args.config else []
+    env = common.child_env(**({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-bench-") as tmp:
         for i in range(args.repeats):
             cwd = Path(tmp) / f"r{i}"
             cwd.mkdir()
-            torch_s.append(time_to_mark([sys.executable, "-c", TORCH_CHILD], cwd, args.timeout))
+            torch_s.append(time_to_mark([sys.executable, "-c", TORCH_CHILD], cwd, args.timeout, env))
             train_s.append(time_to_mark([sys.executable, "-c", TRAIN_CHILD, *extra, *args.overrides,
-                                         f"run.name=startup-{i}"], cwd, args.timeout))
+                                         f"run.name=startup-{i}"], cwd, args.timeout, env))
     a, b = common.summary(torch_s), common.summary(train_s)
-    payload = common.header("startup", "as ddp_slurm.train picks it", threads, repeats=args.repeats,
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # what the trainer picks (dist.backend auto)
+    payload = common.header("startup", device, threads, repeats=args.repeats,
                             config=str(args.config) if args.config else None, overrides=list(args.overrides))
     payload.update({"import_torch_s": a, "first_step_s": b, "startup_ratio": b["median"] / a["median"]})
     return payload

@@ -59,9 +59,10 @@ def one_run(seed: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
            *args.overrides, f"run.seed={seed}", f"run.name={name}", f"run.output_root={tmp}"]
     path = tmp / name / "metrics.jsonl"
     log = tmp / f"{name}.log"
+    env = common.child_env(**({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     start = time.monotonic()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp, env=common.child_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             while True:
                 code = proc.poll()

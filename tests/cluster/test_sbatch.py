@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import pytest
 
-from ddp_slurm import checkpoint
+from ddp_slurm import checkpoint, config, data
 from ddp_slurm.bootstrap import expand_hostlist
 
 pytestmark = pytest.mark.cluster
@@ -44,7 +44,11 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLE = str(REPO / "jobs" / "mnist_sample.yaml")
 # One rank per node, one CPU each: small enough that two 4-node jobs share the cluster.
 PER_NODE = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1"]
-SAMPLE_STEPS = 6 * 39  # the sample's defaults: 6 epochs of 5,000 images in batches of 128
+_SAMPLE_CFG = config.load(Path(SAMPLE))
+# The sample's default training in optimizer steps (no job here caps it), read from the file so it
+# follows the defaults.
+SAMPLE_STEPS = _SAMPLE_CFG.train.epochs * data.steps_per_epoch(data.TRAIN_SIZES["sample"],
+                                                               _SAMPLE_CFG.train.global_batch_size)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE"}
 JOB_TIMEOUT_S = 900.0  # per job, all its runs together: generous for 2 busy cores
@@ -149,7 +153,11 @@ class Driver:
                 job.info = info
                 return job
             if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime" and info.get("Restarts", "0") != "0":
-                self.cluster.release(job.job_id)  # requeued: start now rather than after the requeue delay
+                try:  # requeued: start it now rather than after the requeue delay
+                    self.cluster.release(job.job_id)
+                except RuntimeError:  # it started on its own meanwhile: nothing to release
+                    if self.cluster.job_info(job.job_id)["JobState"] == "PENDING":
+                        raise
             if time.monotonic() > deadline:
                 job.info = info
                 raise TimeoutError(f"job not finished after {timeout:.0f} s\n{job.describe()}")
@@ -260,7 +268,9 @@ def assert_resumed_exactly(job: Job) -> list[dict[str, Any]]:
         assert rows[i - 1] == stop, f"run {n} did not end with its stop line\n{job.describe()}"
         assert start["resumed"] is True and start["restart_count"] == n, job.describe()
         assert start["step"] == stop["step"], f"run {n} resumed at {start['step']}, not at {stop['step']}"
-    assert 0 < stops[0]["step"] < SAMPLE_STEPS, f"the first stop was not mid-training\n{job.describe()}"
+    # Mid-training. (A time-limit warning may also land between start-up and the first step of a
+    # run: a clean stop at that run's first step, which is fine but proves less.)
+    assert any(0 < s["step"] < SAMPLE_STEPS for s in stops), f"no stop mid-training\n{job.describe()}"
     train_steps = [r["step"] for r in rows if r["kind"] == "train"]
     assert train_steps == sorted(set(train_steps)), f"steps trained twice: {train_steps}"
     return stops

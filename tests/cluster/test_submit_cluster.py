@@ -6,6 +6,7 @@ so the cluster runs it only once.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -33,14 +35,22 @@ class Submitted:
     run_dir: Path
 
 
-def submit(cluster, cwd: Path, *args: str, timeout: float = 900) -> Submitted:
-    """Run the submit command against the cluster; parse the job id and run directory it prints."""
-    env = {**cluster.env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    res = subprocess.run([sys.executable, "-m", "ddp_slurm.submit", *args], cwd=cwd, env=env, text=True,
-                         stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+def submit_env(cluster) -> dict[str, str]:
+    return {**cluster.env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def parse(res: subprocess.CompletedProcess, cwd: Path) -> Submitted:
+    """The job id and the run (or sweep) directory that the submit command printed."""
     job = re.search(r"^job: (\S+) ", res.stdout, re.M)
     run = re.search(r"^(?:run|sweep) directory: (.+)$", res.stdout, re.M)
     return Submitted(res, cwd, job[1] if job else "", Path(run[1]) if run else cwd)
+
+
+def submit(cluster, cwd: Path, *args: str, timeout: float = 900, **env: str) -> Submitted:
+    """Run the submit command against the cluster (``env``: extra variables for it)."""
+    res = subprocess.run([sys.executable, "-m", "ddp_slurm.submit", *args], cwd=cwd, env={**submit_env(cluster), **env},
+                         text=True, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+    return parse(res, cwd)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -85,22 +95,47 @@ def test_four_nodes_run_to_the_end(slurm_cluster, four_nodes) -> None:
     assert "#SBATCH --signal=USR2@120\n" in dry_script and "#SBATCH --requeue\n" in dry_script
 
 
+@contextlib.contextmanager
+def following(cluster, cwd: Path, *args: str) -> Iterator[tuple[subprocess.Popen, Path, Submitted]]:
+    """``submit --wait ARGS`` in the background; yields it once the job runs and has trained 20 steps."""
+    out = cwd / f"wait-{time.monotonic_ns()}.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "ddp_slurm.submit", "--wait", *args], cwd=cwd,
+                                env=submit_env(cluster), text=True, stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r"^run directory: ", out.read_text(), re.M):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        sub = parse(subprocess.CompletedProcess([], 0, out.read_text(), ""), cwd)
+        # The job may wait for nodes that other tests' jobs hold.
+        cluster.wait_state(sub.job_id, "RUNNING", timeout=600)
+        deadline = time.monotonic() + 240
+        while not ((sub.run_dir / "metrics.jsonl").exists()
+                   and any(r["kind"] == "train" and r["step"] >= 20 for r in rows(sub.run_dir))):
+            assert time.monotonic() < deadline, f"training did not reach step 20: {cluster.job_info(sub.job_id)}"
+            time.sleep(0.2)
+        yield proc, out, sub
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_usr2_mid_run_requeues_once_and_resumes_bit_identical(slurm_cluster, four_nodes) -> None:
     reference, _ = four_nodes
     assert reference.res.returncode == 0, reference.res.stderr
-    sub = submit(slurm_cluster, reference.cwd, *RESOURCES, "--name", "sig", *TINY)
-    assert sub.res.returncode == 0, sub.res.stderr
-    # The job needs every node (2 CPUs each): other tests' jobs may hold some for a while.
-    slurm_cluster.wait_state(sub.job_id, "RUNNING", timeout=600)
-    metrics = sub.run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and any(r["kind"] == "train" and r["step"] >= 20 for r in rows(sub.run_dir))):
-        assert time.monotonic() < deadline, f"training did not reach step 20: {slurm_cluster.job_info(sub.job_id)}"
-        time.sleep(0.2)
-    slurm_cluster.cancel(sub.job_id, "--signal=USR2")  # every task of the step, as Slurm's --signal does
-    slurm_cluster.release(sub.job_id, timeout=120)  # requeued: start it now instead of after BeginTime
-    assert slurm_cluster.wait(sub.job_id, timeout=300) == "COMPLETED", slurm_cluster.job_info(sub.job_id)
+    # Followed with --wait: following the job must survive its requeue.
+    with following(slurm_cluster, reference.cwd, *RESOURCES, "--name", "sig", *TINY) as (follower, out, sub):
+        slurm_cluster.cancel(sub.job_id, "--signal=USR2")  # every task of the step, as Slurm's --signal does
+        slurm_cluster.release(sub.job_id, timeout=120)  # requeued: start it now instead of after BeginTime
+        assert follower.wait(timeout=300) == 0, out.read_text()[-3000:]
+    assert slurm_cluster.state(sub.job_id) == "COMPLETED", slurm_cluster.job_info(sub.job_id)
     assert slurm_cluster.job_info(sub.job_id)["Restarts"] == "1"  # requeued once, not twice
+    followed = out.read_text()  # rank 0's log through both runs of the job, then the result
+    assert followed.count("starting run") == 1 and followed.count("resuming run") == 1, followed[-3000:]
+    assert re.search(r"^finished: 100 steps, final test accuracy \d+\.\d\d%", followed, re.M), followed[-3000:]
 
     kinds = rows(sub.run_dir)
     stops = [r for r in kinds if r["kind"] == "stop"]
@@ -120,10 +155,30 @@ def test_usr2_mid_run_requeues_once_and_resumes_bit_identical(slurm_cluster, fou
     assert not different, f"weights differ from the uninterrupted run in {different}"
 
 
+def test_requeue_cap_ends_the_job_with_exit_3(slurm_cluster, tmp_path) -> None:
+    # One rank on one node, long enough (in steps) to be stopped mid-run; no requeue is allowed.
+    args = ["--nodes", "1", "--cpus-per-task", "2", "--name", "capped", "model.name=mlp", "train.epochs=30",
+            "train.log_every_steps=10", "slurm.max_requeues=0"]
+    with following(slurm_cluster, tmp_path, *args) as (follower, out, sub):
+        slurm_cluster.cancel(sub.job_id, "--signal=USR2")
+        code = follower.wait(timeout=300)
+    text = out.read_text()
+    assert code == 3, text[-3000:]
+    assert "rank 0 failed: training exited 3 on rank 0 (requeue cap reached (slurm.max_requeues)): " in text, \
+        text[-2000:]
+    info = slurm_cluster.job_info(sub.job_id)
+    assert info["Restarts"] == "0" and info["JobState"] == "FAILED", info
+    assert [r["kind"] for r in rows(sub.run_dir)][-1] == "stop"  # the checkpoint is there to resume by hand
+    assert load_latest(sub.run_dir)["step"] == rows(sub.run_dir)[-1]["step"]
+
+
 def test_sweep_of_three_is_a_job_array_with_three_run_directories(slurm_cluster, tmp_path) -> None:
     values = ["1e-3", "3e-3", "1e-2"]
+    # Leftovers of a torchrun session in the submitting shell (sbatch exports it) must not reach the tasks.
+    leftovers = {"RANK": "3", "WORLD_SIZE": "7", "MASTER_ADDR": "localhost"}
     sub = submit(slurm_cluster, tmp_path, "--nodes", "1", "--cpus-per-task", "2", "--name", "lrs", "--wait",
-                 "--sweep", "train.lr=" + ",".join(values), "model.name=mlp", "train.max_steps=20", "train.epochs=1")
+                 "--sweep", "train.lr=" + ",".join(values), "model.name=mlp", "train.max_steps=20", "train.epochs=1",
+                 **leftovers)
     assert sub.res.returncode == 0, sub.res.stdout + sub.res.stderr
     root = tmp_path / "runs" / "lrs"
     assert sub.run_dir == root
@@ -137,3 +192,12 @@ def test_sweep_of_three_is_a_job_array_with_three_run_directories(slurm_cluster,
     table = [line.split() for line in sub.res.stdout.splitlines() if line.startswith("lr=")]
     assert [t[:4] for t in table] == [[f"lr={v}", v, "finished", "20"] for v in values]
     assert all(re.fullmatch(r"\d+\.\d\d%", t[4]) for t in table), table
+
+
+def test_a_submission_slurm_rejects_is_one_line_and_leaves_nothing(slurm_cluster, tmp_path) -> None:
+    sub = submit(slurm_cluster, tmp_path, "--partition", "no-such-partition", "--name", "rejected", "model.name=mlp")
+    assert sub.res.returncode == 2, sub.res.stdout + sub.res.stderr
+    lines = sub.res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m ddp_slurm.submit: error: sbatch failed: "), lines
+    assert "partition" in lines[0].lower()
+    assert not (tmp_path / "runs").exists()

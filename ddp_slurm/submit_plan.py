@@ -1,0 +1,177 @@
+"""What ``python -m ddp_slurm.submit`` submits, and how: the checked plan, submitit's executor, the script.
+
+``make_plan`` loads and checks every run's config before anything touches the disk or the queue
+(bad options: ``UsageError``/``ConfigError``, exit 2). ``executor_parameters`` is the one place that
+turns the config's ``slurm`` section into submitit parameters; both the real submission (an
+``AutoExecutor``) and ``--dry-run`` (``sbatch_script``, submitit's own text without submitting) use it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import config, sweep
+from .bootstrap import PORT_BASE, PORT_SPAN
+from .config import Config, ConfigError
+from .submit_job import TrainJob
+
+# Options that are config keys: flag attribute -> dotted key.
+FLAG_KEYS = {"nodes": "slurm.nodes", "gpus_per_node": "slurm.gpus_per_node", "tasks_per_node": "slurm.tasks_per_node",
+             "cpus_per_task": "slurm.cpus_per_task", "partition": "slurm.partition", "account": "slurm.account",
+             "qos": "slurm.qos", "constraint": "slurm.constraint", "time": "slurm.time_min",
+             "signal_delay": "slurm.signal_delay_s", "name": "run.name"}
+
+
+class UsageError(Exception):
+    """Bad options: one line, exit 2, nothing submitted."""
+
+
+@dataclass
+class Run:
+    """One run to submit: its directory and the arguments of ``ddp_slurm.train`` that train it."""
+    name: str
+    run_dir: Path
+    argv: list[str]
+    point: tuple[str, ...] = ()  # the sweep's overrides for this run
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    tasks_per_node: int
+    runs: list[Run]
+    root: Path  # the run directory, or the sweep's directory
+    sweep: bool
+
+    @property
+    def folder(self) -> Path:
+        return self.root / "submitit" / "%j"
+
+
+def _quoted(key: str, value: Any) -> str:
+    return f"{key}={json.dumps(value)}"  # a JSON string is a YAML scalar: paths and names stay strings
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Load and check every config, decide directories; raises ConfigError/UsageError. Touches no file."""
+    cfg_path = Path(os.path.abspath(args.config)) if args.config else None
+    base = list(args.overrides) + [_quoted(k, getattr(args, a)) for a, k in FLAG_KEYS.items()
+                                   if getattr(args, a) is not None]
+    cfg = config.load(cfg_path, base)
+    tasks = cfg.slurm.tasks_per_node or cfg.slurm.gpus_per_node or 1
+    if args.cluster != "slurm" and cfg.slurm.nodes > 1:
+        raise UsageError(f"--nodes {cfg.slurm.nodes} needs Slurm, but --cluster {args.cluster} runs on this "
+                         "machine only: use --nodes 1, or --cluster slurm on a Slurm login node")
+    if args.cluster == "debug" and tasks > 1:
+        raise UsageError(f"--cluster debug runs one task in this process, not {tasks}: use --cluster local for several")
+    if args.dry_run and args.cluster != "slurm":
+        raise UsageError(f"--dry-run prints the sbatch script of a Slurm job: drop --cluster {args.cluster}")
+    root = Path(os.path.abspath(os.path.expanduser(cfg.run.output_root))) / cfg.run.name
+    head = ["--config", str(cfg_path)] if cfg_path else []
+    if args.sweep:
+        if (root / "config.yaml").exists():
+            raise UsageError(f"{root} is a run directory, not a sweep: choose another --name for the sweep")
+        points = sweep.points(args.sweep)
+        for key in (o.partition("=")[0] for o in points[0].overrides):
+            if key.startswith(("slurm.", "run.")):
+                raise UsageError(f"--sweep cannot vary {key}: the runs of one job array share slurm.* resources "
+                                 "and each gets its own run.name")
+        runs = [Run(p.name, root / p.name, head + base + list(p.overrides)
+                    + [_quoted("run.output_root", str(root)), _quoted("run.name", p.name)], p.overrides)
+                for p in points]
+    else:
+        runs = [Run(cfg.run.name, root, head + base + [_quoted("run.output_root", str(root.parent))])]
+    world = cfg.slurm.nodes * tasks
+    for run in runs:
+        run_cfg = config.load(cfg_path, run.argv[len(head):])
+        g = run_cfg.train.global_batch_size
+        if g % world:
+            raise ConfigError(f"train.global_batch_size={g} is not divisible by the world size {world} "
+                              f"({cfg.slurm.nodes} node(s) x {tasks} task(s)): choose a multiple of {world}")
+        saved = run.run_dir / "config.yaml"
+        if saved.exists():
+            diffs = config.incompatible_changes(config.read_resolved(saved), run_cfg)
+            if diffs:
+                raise UsageError(f"run directory {run.run_dir} holds a run with another config ({'; '.join(diffs)}): "
+                                 "submit with the same settings to resume it, or choose another --name")
+    return Plan(cfg, tasks, runs, root, bool(args.sweep))
+
+
+def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(AutoExecutor's generic parameters, Slurm-only ones), None values left out as AutoExecutor does."""
+    s = plan.cfg.slurm
+    generic = {"name": plan.cfg.run.name, "timeout_min": s.time_min, "nodes": s.nodes,
+               "tasks_per_node": plan.tasks_per_node, "cpus_per_task": s.cpus_per_task,
+               "gpus_per_node": s.gpus_per_node or None, "stderr_to_stdout": True}  # one log per rank
+    # The signal is named explicitly (submitit would write its own USR_SIG); requeue is what lets
+    # `scontrol requeue` and a preempting Slurm put the job back in the queue.
+    extra = {"signal": f"{s.signal}@{s.signal_delay_s}", "requeue" if s.requeue else "no_requeue": True}
+    specific = {"partition": s.partition, "account": s.account, "qos": s.qos, "constraint": s.constraint,
+                "signal_delay_s": s.signal_delay_s, "additional_parameters": extra}
+    drop = lambda d: {k: v for k, v in d.items() if v is not None}  # noqa: E731
+    return drop(generic), drop(specific)
+
+
+def sbatch_script(plan: Plan) -> str:
+    """The exact script submitit's SlurmExecutor would give ``sbatch``, built by submitit's own code
+    (parameter conversion, array line, ``srun`` command) on a machine that may have no Slurm."""
+    from submitit.slurm.slurm import SlurmExecutor
+
+    class ScriptOnly(SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:  # SlurmExecutor refuses to exist without srun on PATH
+            return 2
+
+    generic, specific = executor_parameters(plan)
+    ex = ScriptOnly(plan.folder)
+    params = ex._convert_parameters(generic)  # what AutoExecutor does with generic names
+    params.update(specific)
+    ex.update_parameters(**params)
+    if plan.sweep:
+        ex.parameters["map_count"] = len(plan.runs)  # as SlurmExecutor does for an array
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+
+
+def _free_port(taken: set[int]) -> int:
+    """A free TCP port below the ephemeral range (outgoing connections cannot take it meanwhile)."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(PORT_BASE, PORT_BASE + PORT_SPAN)
+        with socket.socket() as s:
+            if port in taken:
+                continue
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise RuntimeError("no free TCP port found for the local rendezvous")
+
+
+def submit(plan: Plan, cluster: str) -> list[Any]:
+    """Submit; returns the submitit jobs (one per run). Submission errors raise RuntimeError (one line)."""
+    import submitit
+
+    generic, specific = executor_parameters(plan)
+    ex = submitit.AutoExecutor(folder=plan.folder, cluster=cluster, slurm_max_num_timeout=plan.cfg.slurm.max_requeues)
+    ex.update_parameters(**generic, **{f"slurm_{k}": v for k, v in specific.items()})
+    ports: set[int] = set()
+    fns = [TrainJob(run.argv, str(run.run_dir), plan.cfg.slurm.signal, os.getcwd(),
+                    _free_port(ports) if cluster == "local" else 0) for run in plan.runs]
+    captured = io.StringIO()  # submitit prints sbatch's stderr itself; we say it once, in one line
+    try:
+        with contextlib.redirect_stderr(captured):
+            return ex.submit_array(fns) if plan.sweep else [ex.submit(fns[0])]
+    except Exception as exc:
+        text = (str(exc) or captured.getvalue() or type(exc).__name__).strip().splitlines()
+        what = "sbatch" if cluster == "slurm" else "submission"
+        raise RuntimeError(f"{what} failed: {text[-1] if text else 'no reason given'}") from None

@@ -1,0 +1,348 @@
+"""Fault injection on the real multi-node test cluster: ranks that die and ranks that never come.
+
+Four jobs start together (module fixture); each test drives and judges one of them:
+
+``killed_srun``   the project's sbatch/mnist_4node.sh on 2 nodes (srun --kill-on-bad-exit=1): rank 1
+                  is SIGKILLed mid-training. Slurm ends the whole step at once and its log names the
+                  task (= rank) that died; nothing is left running; the checkpoints are intact and a
+                  second submission resumes from the newest.
+``killed_plain``  4 ranks on 2 nodes under a plain ``srun`` (no --kill-on-bad-exit, Slurm's default):
+                  rank 2 is SIGKILLed. Every survivor exits on its own within dist.timeout_s + 30 s,
+                  each naming rank 2, its host and pid, in one line; nothing is left running.
+``few_ranks``     a hand-written launch line exports WORLD_SIZE for the 2 tasks of the allocation but
+                  starts ``srun --ntasks=1``: rank 0 gives up after dist.timeout_s with "expected 2
+                  ranks, 1 arrived" instead of hanging.
+``capped``        the project's script with slurm.max_requeues=0 gets ``scancel --signal=USR2``: it
+                  checkpoints, says the cap is reached, exits 3; the job ends FAILED, not requeued.
+
+Processes are found from this machine through /proc (the nodes share its process table): a rank is
+the process whose environment has the job's SLURM_JOB_ID and its SLURM_PROCID.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import signal
+import sys
+import textwrap
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from ddp_slurm import checkpoint, metrics
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = str(REPO / "jobs" / "mnist_sample.yaml")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+            "BOOT_FAIL", "DEADLINE"}
+JOB_TIMEOUT_S = 600.0  # per job: generous for a shared, busy machine; never a timing assertion by itself
+EVERY = 10
+TRAIN = ["model.name=mlp", "train.epochs=100", "train.log_every_steps=1", f"checkpoint.every_steps={EVERY}",
+         "checkpoint.keep=3", "slurm.requeue=false"]
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    workdir: Path
+    job_id: str = ""
+    info: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.workdir / "runs" / self.name
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}-{self.job_id}.out"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def rows(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return list(metrics.read(path)) if path.exists() else []
+
+    def describe(self) -> str:
+        return f"job {self.name} ({self.job_id}): {self.info}\n--- log {self.log}\n{self.text()[-6000:]}"
+
+
+class Driver:
+    def __init__(self, cluster, workdir: Path) -> None:
+        env = dict(cluster.env)
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the scripts run `python`
+        env["PYTHONUNBUFFERED"] = "1"
+        for name in ("OMP_NUM_THREADS", "DDP_SLURM_PYTHON", "PYTHONPATH"):
+            env.pop(name, None)
+        self.cluster = dataclasses.replace(cluster, env=env)
+        self.workdir = workdir
+        self.jobs: list[Job] = []
+
+    def submit(self, job: Job, args: list[str]) -> Job:
+        job.job_id = self.cluster.sbatch(["--job-name", job.name, "-o", f"{job.name}-%j.out",
+                                          "--open-mode=append", *args], cwd=self.workdir)
+        self.jobs.append(job)
+        return job
+
+    def wait_for(self, job: Job, what: str, check: Callable[[], Any]) -> Any:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not (found := check()):
+            info = self.cluster.job_info(job.job_id)
+            if info["JobState"] in TERMINAL:
+                job.info = info
+                raise AssertionError(f"job ended before {what}\n{job.describe()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} after {JOB_TIMEOUT_S:.0f} s\n{job.describe()}")
+            time.sleep(0.1)
+        return found
+
+    def finish(self, job: Job) -> Job:
+        job.info = self.cluster.wait_state(job.job_id, TERMINAL, timeout=JOB_TIMEOUT_S, poll=0.3)
+        return job
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def environ_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def job_processes(job_id: str) -> dict[int, dict[str, str]]:
+    """Live (non-zombie) processes of a job's steps: pid -> environment."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        env = environ_of(int(entry.name))
+        if env.get("SLURM_JOB_ID") != job_id or "SLURM_PROCID" not in env:
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found[int(entry.name)] = env
+        except OSError:
+            continue
+    return found
+
+
+def training_rank(job_id: str, rank: int) -> int | None:
+    """The pid of the training process of ``rank`` in the job, once it is running."""
+    for pid, env in job_processes(job_id).items():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        argv = cmd.split(b"\0")
+        if env.get("SLURM_PROCID") == str(rank) and b"python" in argv[0] and b"ddp_slurm.train" in argv:
+            return pid  # the training process itself, not the srun client that launched it
+    return None
+
+
+def assert_nothing_left(job: Job) -> None:
+    deadline = time.monotonic() + 30
+    while job_processes(job.job_id) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not job_processes(job.job_id), f"left running: {sorted(job_processes(job.job_id))}\n{job.describe()}"
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for _, p in checkpoint.list_checkpoints(run_dir)}
+
+
+def assert_checkpoints_intact(before: dict[str, str], run_dir: Path) -> None:
+    """Nothing finished was lost: each earlier checkpoint is byte-identical, or pruned by a newer valid one."""
+    now = snapshot(run_dir)
+    newest = checkpoint.latest(run_dir)
+    assert newest is not None
+    for name, digest in before.items():
+        if name in now:
+            assert now[name] == digest, f"{name} changed"
+        else:
+            assert int(name[5:-3]) < newest[1]["step"], f"{name} is gone with nothing newer"
+
+
+# ---------------------------------------------------------------------------------------------- scenarios
+def kill_mid_training(d: Driver, job: Job, rank: int) -> tuple[int, str, dict[str, str], float]:
+    """Wait for two checkpoints, SIGKILL ``rank``; returns (pid, its node, checkpoints before, monotonic time)."""
+    d.wait_for(job, "two checkpoints", lambda: len(checkpoint.list_checkpoints(job.run_dir)) >= 2)
+    pid = d.wait_for(job, f"rank {rank}'s process", lambda: training_rank(job.job_id, rank))
+    node = environ_of(pid).get("SLURMD_NODENAME", "?")
+    before = snapshot(job.run_dir)
+    os.kill(pid, signal.SIGKILL)
+    return pid, node, before, time.monotonic()
+
+
+def run_killed_srun(d: Driver) -> dict[str, Any]:
+    job = Job("killed_srun", d.workdir)
+    sbatch = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
+              str(REPO / "sbatch" / "mnist_4node.sh"), "--config", SAMPLE,
+              f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "dist.timeout_s=30"]
+    d.submit(job, sbatch)
+    pid, node, before, killed = kill_mid_training(d, job, rank=1)
+    d.finish(job)
+    took = time.monotonic() - killed
+    first = dict(job.info)
+    assert_nothing_left(job)
+    last_step = max(r["step"] for r in job.rows() if r["kind"] == "train")
+    assert_checkpoints_intact(before, job.run_dir)
+    saved = checkpoint.load_latest(job.run_dir)
+
+    again = d.submit(Job("killed_srun", d.workdir), sbatch)  # the same submission: resumes
+    d.wait_for(again, "the resumed run", lambda: len([r for r in again.rows() if r["kind"] == "start"]) == 2)
+    d.wait_for(again, "a training step after the resume", lambda: again.rows()[-1]["kind"] == "train")
+    d.cluster.cancel(again.job_id, "--signal=USR2")
+    d.finish(again)
+    return {"job": job, "first": first, "pid": pid, "node": node, "took": took, "last_step": last_step,
+            "saved": saved, "again": again}
+
+
+PLAIN = """\
+#!/bin/bash
+#SBATCH --nodes=2 --ntasks-per-node=2 --cpus-per-task=1
+# srun without --kill-on-bad-exit (Slurm's default): each rank finds out by itself that one is gone.
+export OMP_NUM_THREADS=1
+srun "{python}" -m ddp_slurm.train --config "{sample}" {args}
+status=$?
+echo "srun exited $status"
+exit $status
+"""
+
+
+def run_killed_plain(d: Driver) -> dict[str, Any]:
+    job = Job("killed_plain", d.workdir)
+    script = d.workdir / "plain.sh"
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "dist.timeout_s=30"]
+    script.write_text(PLAIN.format(python=sys.executable, sample=SAMPLE, args=" ".join(args)))
+    d.submit(job, [str(script)])
+    pid, node, before, killed = kill_mid_training(d, job, rank=2)
+    d.finish(job)
+    took = time.monotonic() - killed
+    assert_nothing_left(job)
+    assert_checkpoints_intact(before, job.run_dir)
+    return {"job": job, "pid": pid, "node": node, "took": took}
+
+
+FEW_RANKS = """\
+#!/bin/bash
+#SBATCH --nodes=1 --ntasks=2 --cpus-per-task=1
+# A hand-written launch line: torchrun-style variables for the allocation's {{SLURM_NTASKS}} tasks...
+export MASTER_ADDR=$(hostname) MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000)) WORLD_SIZE=$SLURM_NTASKS OMP_NUM_THREADS=1
+# ...but only one task is started (the mistake).
+srun --ntasks=1 bash -c 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE=$WORLD_SIZE \\
+    exec "{python}" -m ddp_slurm.train --config "{sample}" {args}'
+status=$?
+echo "srun exited $status"
+exit $status
+"""
+
+
+def run_few_ranks(d: Driver) -> dict[str, Any]:
+    job = Job("few_ranks", d.workdir)
+    script = d.workdir / "few.sh"
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "dist.timeout_s=20"]
+    script.write_text(FEW_RANKS.format(python=sys.executable, sample=SAMPLE, args=" ".join(args)))
+    d.submit(job, [str(script)])
+    d.finish(job)
+    assert_nothing_left(job)
+    return {"job": job}
+
+
+def run_capped(d: Driver) -> dict[str, Any]:
+    """The project's script, already at its requeue cap (slurm.max_requeues=0), gets Slurm's stop signal."""
+    job = Job("capped", d.workdir)
+    d.submit(job, ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
+                   str(REPO / "sbatch" / "mnist_4node.sh"), "--config", SAMPLE, f"run.output_root={d.workdir / 'runs'}",
+                   f"run.name={job.name}", *[a for a in TRAIN if a != "slurm.requeue=false"], "slurm.max_requeues=0"])
+    d.wait_for(job, "a checkpoint", lambda: checkpoint.list_checkpoints(job.run_dir))
+    d.cluster.cancel(job.job_id, "--signal=USR2")
+    d.finish(job)
+    time.sleep(2)  # a requeue would show now as PENDING
+    job.info = d.cluster.job_info(job.job_id)
+    return {"job": job}
+
+
+@pytest.fixture(scope="module")
+def scenarios(slurm_cluster, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    d = Driver(slurm_cluster, tmp_path_factory.mktemp("faults"))
+    plan = {"killed_srun": run_killed_srun, "killed_plain": run_killed_plain, "few_ranks": run_few_ranks,
+            "capped": run_capped}
+    pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="fault-job")
+    futures = {name: pool.submit(fn, d) for name, fn in plan.items()}
+    try:
+        yield futures
+    finally:
+        for job in d.jobs:
+            if job.job_id and slurm_cluster.job_info(job.job_id)["JobState"] not in TERMINAL:
+                slurm_cluster.run(["scancel", job.job_id], timeout=30)
+        pool.shutdown(wait=True)
+
+
+def outcome(scenarios: dict[str, Future], name: str) -> dict[str, Any]:
+    return scenarios[name].result(timeout=2 * JOB_TIMEOUT_S + 120)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_rank_killed_under_kill_on_bad_exit_ends_the_step_and_the_job_resumes(scenarios, record_property) -> None:
+    out = outcome(scenarios, "killed_srun")
+    record_property("steps_redone", out["last_step"] - out["saved"]["step"])
+    record_property("seconds_to_exit", round(out["took"], 1))
+    job, again = out["job"], out["again"]
+    text = job.text()
+    assert out["first"]["JobState"] == "FAILED", job.describe()
+    # Slurm names the rank that died (task = rank under srun) and stops the rest of the step.
+    assert f"srun: error: {out['node']}: task 1: Killed" in text, job.describe()
+    assert re.search(r"training exited with (?!0\b|75\b)\d+", text), job.describe()
+    assert out["took"] <= 30 + 30, f"{out['took']:.0f} s from the kill to the end of the job (dist.timeout_s=30)"
+    assert 0 <= out["last_step"] - out["saved"]["step"] <= EVERY
+
+    start = [r for r in again.rows() if r["kind"] == "start"][-1]
+    assert start["resumed"] is True and start["step"] == out["saved"]["step"], again.describe()
+    stop = again.rows()[-1]
+    assert stop["kind"] == "stop" and checkpoint.load_latest(again.run_dir)["step"] == stop["step"]
+    assert again.info["ExitCode"].startswith("75:"), again.describe()
+
+
+def test_rank_killed_without_kill_on_bad_exit_every_survivor_names_it(scenarios, record_property) -> None:
+    out = outcome(scenarios, "killed_plain")
+    record_property("seconds_to_exit", round(out["took"], 1))
+    job, pid = out["job"], out["pid"]
+    text = job.text()
+    assert job.info["JobState"] == "FAILED", job.describe()
+    lines = re.findall(r"^.*ERROR \[rank (\d) (node\d)\] (lost rank .*)$", text, re.M)
+    assert {int(r) for r, _, _ in lines} == {0, 1, 3}, job.describe()
+    for _, _, line in lines:
+        assert re.match(rf"lost rank 2 \(host {out['node']}, pid {pid}\): no heartbeat for \d+ s; "
+                        r"this rank's collective failed with: \S", line), line
+    assert "Traceback" not in text, job.describe()
+    assert out["took"] <= 30 + 30, f"the survivors took {out['took']:.0f} s to exit (dist.timeout_s=30)"
+
+
+def test_fewer_ranks_than_promised_time_out_naming_expected_and_arrived(scenarios) -> None:
+    job = outcome(scenarios, "few_ranks")["job"]
+    text = job.text()
+    assert job.info["JobState"] == "FAILED", job.describe()
+    assert re.search(r"ERROR \[rank 0 node\d\] rank 0: rendezvous at node\d:\d+ timed out after 20 s: "
+                     r"expected 2 ranks, 1 arrived", text), job.describe()
+    assert "srun exited 1" in text and "Traceback" not in text, job.describe()
+    assert not (job.run_dir / "checkpoints").exists()
+
+
+def test_requeue_cap_reached_ends_the_job_with_exit_3_not_requeued(scenarios) -> None:
+    job = outcome(scenarios, "capped")["job"]
+    text = job.text()
+    assert job.info["JobState"] == "FAILED" and job.info["Restarts"] == "0", job.describe()
+    assert job.info["ExitCode"] == "3:0", job.describe()
+    assert re.search(r"ERROR \[rank 0 node\d\] requeue cap reached \(0 requeues, slurm.max_requeues=0\): not "
+                     r"requeueing; checkpoint at step \d+ is on disk", text), job.describe()
+    assert "requeued Slurm job" not in text
+    stop = [r for r in job.rows() if r["kind"] == "stop"]
+    assert len(stop) == 1 and checkpoint.load_latest(job.run_dir)["step"] == stop[0]["step"]
