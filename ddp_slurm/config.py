@@ -297,8 +297,18 @@ def load(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Confi
             _apply(cfg, key, value, str(path))
     for text in overrides:
         key, value = parse_override(text)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _wants_text(key):
+            value = text.partition("=")[2].strip()  # run.name=2024 means the name "2024", not an error
         _apply(cfg, key, value, "the command line")
     return cfg
+
+
+def _wants_text(key: str) -> bool:
+    """True when ``key`` is a string field (possibly optional): a number typed for it is its text."""
+    section, _, name = key.partition(".")
+    cls = _sections().get(section)
+    tp = typing.get_type_hints(cls).get(name) if cls else None
+    return tp is str or (typing.get_origin(tp) is not Literal and str in typing.get_args(tp))
 
 
 def dump(cfg: Config, path: Path) -> None:

@@ -314,3 +314,11 @@ def test_batch_not_divisible_under_torchrun(launcher: Launcher) -> None:
         if lines:
             assert len(lines) == 1 and "not divisible by the world size 2" in lines[0], lines
     assert not (launcher.cwd / "runs").exists()
+
+
+def test_a_number_typed_for_a_string_key_is_its_text() -> None:
+    cfg = config.load(None, ["run.name=2024", "slurm.partition=007"])
+    assert cfg.run.name == "2024"
+    assert cfg.slurm.partition == "007"
+    with pytest.raises(config.ConfigError, match="model.name"):
+        config.load(None, ["model.name=3"])
