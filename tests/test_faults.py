@@ -196,6 +196,15 @@ def record(record_property: Callable[[str, Any], None], before: dict[str, tuple[
         record_property("seconds_to_exit", round(took_s, 1))
 
 
+def between_checkpoints(run_dir: Path) -> Callable[[], bool]:
+    """True once two checkpoints exist and training is a few steps past the newest: the moment to
+    inject a fault that costs the steps since the last checkpoint, and nothing else."""
+    def ready() -> bool:
+        saved = checkpoint.list_checkpoints(run_dir)
+        return len(saved) >= 2 and last_train_step(run_dir) >= saved[0][0] + 3
+    return ready
+
+
 def temporaries(run_dir: Path) -> list[Path]:
     folder = checkpoint.checkpoint_dir(run_dir)
     return sorted(folder.glob(".step-*.pt.tmp-*")) if folder.is_dir() else []
@@ -229,8 +238,8 @@ def test_rank_killed_mid_step_is_named_and_the_run_resumes(tmp_path: Path, start
     launcher, run_dir = Launcher(tmp_path), tmp_path / "runs" / "killed"
     args = [*LONG, "dist.timeout_s=30", "run.name=killed"]
     run = start(launcher.cmd_torchrun(2, *args))
-    run.until("two checkpoints", lambda: len(checkpoint.list_checkpoints(run_dir)) >= 2)
     victim = run.workers(2)[1]
+    run.until("training between two checkpoints", between_checkpoints(run_dir))
     before = snapshot(run_dir)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
@@ -263,7 +272,7 @@ def test_hung_rank_is_named_after_the_collective_timeout(tmp_path: Path, start, 
     launcher, run_dir, port = Launcher(tmp_path), tmp_path / "runs" / "hung", free_port()
     args = [*LONG, "dist.timeout_s=20", "run.name=hung"]
     ranks = [start(launcher.cmd_train(*args), env=rank_env(r, 2, port)) for r in (0, 1)]
-    ranks[0].until("two checkpoints", lambda: len(checkpoint.list_checkpoints(run_dir)) >= 2)
+    ranks[0].until("training between two checkpoints", between_checkpoints(run_dir))
     before = snapshot(run_dir)
     os.kill(ranks[1].pid, signal.SIGSTOP)
     frozen = time.monotonic()
