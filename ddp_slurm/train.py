@@ -17,15 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
+# Before torch loads OpenMP: threads that wait at the end of a parallel region sleep instead of
+# spinning (the user's own OMP_WAIT_POLICY wins). Spinning threads burn the time slices that a
+# descheduled sibling needs to finish; wherever another process wants the same cores, a 2-thread
+# step then runs 10-50x slower than a 1-thread one (measured on a shared 2-core machine).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from . import bootstrap, checkpoint, config, data, engine, logs, models, slurm, watchdog
-from .bootstrap import BootstrapError, DistEnv
-from .config import Config, ConfigError
-from .metrics import MetricsWriter
-from .runlock import RunLock, RunLocked
-from .signals import StopFlag, parse_signal
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from . import bootstrap, checkpoint, config, data, engine, logs, models, slurm, watchdog  # noqa: E402
+from .bootstrap import BootstrapError, DistEnv  # noqa: E402
+from .config import Config, ConfigError  # noqa: E402
+from .metrics import MetricsWriter  # noqa: E402
+from .runlock import RunLock, RunLocked  # noqa: E402
+from .signals import StopFlag, parse_signal  # noqa: E402
 
 log = logging.getLogger("ddp_slurm")
 

@@ -10,9 +10,14 @@ the other survivors wait for that verdict instead of scanning too, so a failure 
 store operations, not O(world size squared). If the store itself cannot be reached, its host is
 what went missing: rank 0 (srun, manual launches) or the torchrun agent.
 
-Cost while training: one tiny store write per rank per ``interval_s``, off the training thread.
-On the failure path everything is bounded (about ``grace_s`` + ``2 * op_timeout_s``), so a dead
-peer never turns into a hang here.
+The heartbeat thread also looks for a published verdict, so a rank whose training thread is still
+blocked in a collective learns it within one interval; when that collective fails later (perhaps
+only because rank 0, the store's host, has exited meanwhile), the rank reports the real cause, and
+rank 0 need keep the store up only until every survivor has seen the verdict.
+
+Cost while training: one tiny store write and one existence check per rank per ``interval_s``, off
+the training thread. On the failure path everything is bounded (about ``grace_s`` + ``2 *
+op_timeout_s``), so a dead peer never turns into a hang here.
 """
 from __future__ import annotations
 
@@ -38,15 +43,21 @@ class PeerLost(RuntimeError):
 class Watchdog:
     """Heartbeat for this rank plus the failure diagnosis. Use :func:`watch` rather than this directly."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, store_host: str, hosts_store: bool,
+    def __init__(self, store: Any, rank: int, world_size: int, store_addr: str, agent_store: bool = False,
                  interval_s: float = 1.0, grace_s: float = 5.0) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.store_host = store_host  # "rank 0" or "the torchrun agent", for messages
-        self.hosts_store = hosts_store  # this process runs the store server: it must outlive the diagnosis
+        self.store_addr = store_addr  # host:port, for messages
+        self.agent_store = agent_store  # torchrun's agent runs the store, not rank 0
+        self.hosts_store = rank == 0 and not agent_store  # this process runs the store: it must outlive the diagnosis
         self.interval_s, self.grace_s = interval_s, grace_s
         self._lock = threading.Lock()  # one connection, two threads
         self._stop = threading.Event()
         self._seq = 0
+        self._rank0: str | None = None  # "host pid" of rank 0, for the message when its store is gone
+        # A verdict published by another rank, picked up by this rank's heartbeat thread even while
+        # its training thread is still blocked in a collective: when that one fails later, maybe
+        # after the store's host has exited, the real cause is already known.
+        self._seen: tuple[int, str] | None = None
         self._thread = threading.Thread(target=self._beat_forever, name="ddp_slurm-heartbeat", daemon=True)
 
     # -- heartbeat ------------------------------------------------------------------------------
@@ -64,6 +75,12 @@ class Watchdog:
         while not self._stop.wait(self.interval_s):
             try:
                 self._beat()
+                if self._rank0 is None and self.rank != 0 and self._op("check", ["info/0"]):
+                    self._rank0 = self._op("get", "info/0").decode()
+                if self._seen is None and self._op("check", ["verdict"]):
+                    count, _, text = self._op("get", "verdict").decode().partition("\t")
+                    self._seen = int(count), text
+                    self._op("add", "seen", 1)
             except Exception as exc:  # the store is gone: the diagnosis will say so; don't spam the log
                 log.debug("heartbeat stopped: %s", exc)
                 return
@@ -118,6 +135,8 @@ class Watchdog:
 
     def _verdict(self) -> tuple[int, str]:
         """How many ranks were lost, and the shared description of them ("" if every rank is alive)."""
+        if self._seen is not None:
+            return self._seen
         if self._op("add", "diagnosing", 1) == 1:  # the first survivor scans; the others read its verdict
             lost = self._scan()
             self._op("set", "verdict", f"{len(lost)}\t{self._describe(lost)}")
@@ -140,21 +159,28 @@ class Watchdog:
         try:
             count, verdict = self._verdict()
         except Exception as store_exc:  # the store's host is gone, and with it (at least) that process
-            return PeerLost(f"lost {self.store_host}: the rendezvous store it hosted is unreachable "
+            if self._seen is not None and self._seen[0]:  # it left after the verdict: that is the story
+                return PeerLost(f"{self._seen[1]}; this rank's collective failed with: {cause}"), self._seen[0]
+            return PeerLost(f"lost {self._store_owner()}: the rendezvous store it hosted is unreachable "
                             f"({_first_line(store_exc)}); this rank's collective failed with: {cause}"), 1
         if not count:
             return None
-        with contextlib.suppress(Exception):
-            self._op("add", "informed", 1)
         return PeerLost(f"{verdict}; this rank's collective failed with: {cause}"), count
 
+    def _store_owner(self) -> str:
+        if self.agent_store:
+            return f"the torchrun agent at {self.store_addr}"
+        host, _, pid = (self._rank0 or "").partition(" ")
+        return f"rank 0 (host {host}, pid {pid}, store at {self.store_addr})" if pid else f"rank 0 (at {self.store_addr})"
+
     def linger(self, lost: int) -> None:
-        """On the store's host: keep the store up until every survivor has read the verdict (bounded)."""
+        """On the store's host: keep the store up until every survivor's heartbeat has picked up the
+        verdict (about one heartbeat interval; bounded)."""
         survivors = self.world_size - lost
-        deadline = time.monotonic() + self.grace_s + 5
+        deadline = time.monotonic() + 4 * self.interval_s + 5
         with contextlib.suppress(Exception):
-            while self._op("add", "informed", 0) < survivors and time.monotonic() < deadline:
-                time.sleep(0.2)
+            while self._op("add", "seen", 0) < survivors and time.monotonic() < deadline:
+                time.sleep(0.1)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -190,10 +216,7 @@ def watch(env: Any, ignore: tuple[type[BaseException], ...] = (), op_timeout_s: 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun restarts reuse the agent's store
     try:
         store = PrefixStore(f"ddp_slurm/watchdog/{attempt}/", _store_client(env, op_timeout_s))
-        dog = Watchdog(store, env.rank, env.world_size,
-                       store_host=f"the torchrun agent at {env.master_addr}" if agent_store
-                       else f"rank 0 (at {env.master_addr}:{env.master_port})",
-                       hosts_store=env.rank == 0 and not agent_store).start()
+        dog = Watchdog(store, env.rank, env.world_size, f"{env.master_addr}:{env.master_port}", agent_store).start()
     except Exception as exc:  # a diagnosis aid must never stop a healthy run
         log.warning("heartbeat off (a lost rank will not be named): %s", _first_line(exc))
         yield None

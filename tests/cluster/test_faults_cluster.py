@@ -1,6 +1,6 @@
 """Fault injection on the real multi-node test cluster: ranks that die and ranks that never come.
 
-Four jobs start together (module fixture); each test drives and judges one of them:
+Five jobs start together (module fixture); each test drives and judges one of them:
 
 ``killed_srun``   the project's sbatch/mnist_4node.sh on 2 nodes (srun --kill-on-bad-exit=1): rank 1
                   is SIGKILLed mid-training. Slurm ends the whole step at once and its log names the
@@ -9,6 +9,8 @@ Four jobs start together (module fixture); each test drives and judges one of th
 ``killed_plain``  4 ranks on 2 nodes under a plain ``srun`` (no --kill-on-bad-exit, Slurm's default):
                   rank 2 is SIGKILLed. Every survivor exits on its own within dist.timeout_s + 30 s,
                   each naming rank 2, its host and pid, in one line; nothing is left running.
+``killed_store``  the same with 2 ranks, and rank 0 killed: the rendezvous store (hosted by rank 0
+                  under srun) dies with it; the survivor says so, naming rank 0 and its node.
 ``few_ranks``     a hand-written launch line exports WORLD_SIZE for the 2 tasks of the allocation but
                   starts ``srun --ntasks=1``: rank 0 gives up after dist.timeout_s with "expected 2
                   ranks, 1 arrived" instead of hanging.
@@ -207,7 +209,7 @@ def run_killed_srun(d: Driver) -> dict[str, Any]:
 
 PLAIN = """\
 #!/bin/bash
-#SBATCH --nodes=2 --ntasks-per-node=2 --cpus-per-task=1
+#SBATCH --nodes=2 --ntasks-per-node={per_node} --cpus-per-task=1
 # srun without --kill-on-bad-exit (Slurm's default): each rank finds out by itself that one is gone.
 export OMP_NUM_THREADS=1
 srun "{python}" -m ddp_slurm.train --config "{sample}" {args}
@@ -217,13 +219,13 @@ exit $status
 """
 
 
-def run_killed_plain(d: Driver) -> dict[str, Any]:
-    job = Job("killed_plain", d.workdir)
-    script = d.workdir / "plain.sh"
+def run_killed_plain(d: Driver, name: str = "killed_plain", per_node: int = 2, victim: int = 2) -> dict[str, Any]:
+    job = Job(name, d.workdir)
+    script = d.workdir / f"{name}.sh"
     args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "dist.timeout_s=30"]
-    script.write_text(PLAIN.format(python=sys.executable, sample=SAMPLE, args=" ".join(args)))
+    script.write_text(PLAIN.format(per_node=per_node, python=sys.executable, sample=SAMPLE, args=" ".join(args)))
     d.submit(job, [str(script)])
-    pid, node, before, killed = kill_mid_training(d, job, rank=2)
+    pid, node, before, killed = kill_mid_training(d, job, rank=victim)
     d.finish(job)
     took = time.monotonic() - killed
     assert_nothing_left(job)
@@ -274,7 +276,8 @@ def run_capped(d: Driver) -> dict[str, Any]:
 def scenarios(slurm_cluster, tmp_path_factory) -> Iterator[dict[str, Future]]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("faults"))
     plan = {"killed_srun": run_killed_srun, "killed_plain": run_killed_plain, "few_ranks": run_few_ranks,
-            "capped": run_capped}
+            "capped": run_capped,
+            "killed_store": lambda d: run_killed_plain(d, "killed_store", per_node=1, victim=0)}
     pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="fault-job")
     futures = {name: pool.submit(fn, d) for name, fn in plan.items()}
     try:
@@ -324,6 +327,22 @@ def test_rank_killed_without_kill_on_bad_exit_every_survivor_names_it(scenarios,
                         r"this rank's collective failed with: \S", line), line
     assert "Traceback" not in text, job.describe()
     assert out["took"] <= 30 + 30, f"the survivors took {out['took']:.0f} s to exit (dist.timeout_s=30)"
+
+
+def test_rank_zero_killed_the_survivor_names_it_by_its_lost_store(scenarios, record_property) -> None:
+    """Under srun, rank 0 hosts the rendezvous store: when it dies the store dies with it, and that is
+    what the survivor reports."""
+    out = outcome(scenarios, "killed_store")
+    record_property("seconds_to_exit", round(out["took"], 1))
+    job = out["job"]
+    text = job.text()
+    assert job.info["JobState"] == "FAILED", job.describe()
+    [line] = re.findall(r"^.*ERROR \[rank 1 node\d\] (lost .*)$", text, re.M)
+    assert re.match(rf"lost rank 0 \(host {out['node']}, pid {out['pid']}, store at {out['node']}:\d+\): the "
+                    r"rendezvous store it hosted is unreachable "
+                    r"\(.+\); this rank's collective failed with: \S", line), line
+    assert "Traceback" not in text, job.describe()
+    assert out["took"] <= 30 + 30, f"the survivor took {out['took']:.0f} s to exit (dist.timeout_s=30)"
 
 
 def test_fewer_ranks_than_promised_time_out_naming_expected_and_arrived(scenarios) -> None:
