@@ -53,7 +53,7 @@ SAMPLE_STEPS = _SAMPLE_CFG.train.epochs * STEPS_PER_EPOCH
 # Slurm checks time limits every 30 s and sends the --signal warning up to 30 s early: with
 # --time=2 --signal=USR2@60 it comes 30-60 s after a run starts. The time-limit job must still be
 # training then, also on a fast machine, hence a longer training than the default for that pair.
-LONG_EPOCHS = 10
+LONG_EPOCHS = 25
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE"}
 JOB_TIMEOUT_S = 900.0  # per job, all its runs together: generous for 2 busy cores
