@@ -57,13 +57,14 @@ def test_loader_smoke(tmp_path: Path) -> None:
 
 def test_limit_smoke(tmp_path: Path) -> None:
     p, text = bench(tmp_path, "limit", "--model", "mlp", "--batch", "32", "--rounds", "2", "--seconds", "0.05",
-                    "--device", "cpu")
+                    "--peak-size", "256", "--device", "cpu")
     assert p["forward_flops_per_sample"] == models.build("mlp").flops_per_sample()
     assert p["training_flops_per_sample"] == 3 * p["forward_flops_per_sample"]
     # the first layer needs no input gradient: the counted step is ~2x forward, not 3x
     assert 1.9 < p["counted_training_flops_per_sample"] / p["forward_flops_per_sample"] < 2.2
     assert positive(p["matmul_flops_per_s"]["median"]) and positive(p["samples_per_s"]["median"])
     assert 0 < p["fraction_of_limit"] < 10 and 0 < p["fraction_of_limit_counted"] < p["fraction_of_limit"]
+    assert positive(p["peak_matmul_flops_per_s"]["median"]) and 0 < p["fraction_of_peak"] < 10
     assert "fraction of the compute-bound limit" in text
 
 

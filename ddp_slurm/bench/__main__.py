@@ -13,7 +13,7 @@ from . import common, ddp, limit, loader, startup, tta
 COMMANDS = {
     "loader": (loader, "ddp_slurm's step vs the seed-style torchvision/DataLoader pipeline: samples/s and ratio"),
     "limit": (limit, "the training step's fraction of this machine's measured matmul FLOP/s"),
-    "ddp": (ddp, "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs all-reduce"),
+    "ddp": (ddp, "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs communication"),
     "startup": (startup, "seconds to the first optimizer step of ddp_slurm.train vs `import torch`"),
     "tta": (tta, "seconds to a target test accuracy on the sample, over seeds"),
 }

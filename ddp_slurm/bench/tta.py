@@ -10,7 +10,6 @@ model, every step, every evaluation and checkpoint), not counting the interprete
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -102,7 +101,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 
 def render(p: dict[str, Any]) -> str:
     q = p["params"]
-    title = (f"bench tta: time to {100 * q['target']:g}% test accuracy on the sample, {len(q['seeds'])} seeds, "
+    title = (f"bench tta: time to {100 * q['target']:g}% test accuracy, {len(q['seeds'])} seeds, "
              f"device {p['device']}; config {q['config'] or 'built-in defaults'} {' '.join(q['overrides'])}").rstrip()
     rows = [[str(r["seed"]), common.fmt(r["seconds"], 1), str(r["epochs"] or "not reached"),
              "n/a" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%",
