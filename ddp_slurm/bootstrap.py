@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from . import hostmem
+
 if TYPE_CHECKING:
     import torch
 
@@ -461,7 +463,7 @@ def init_distributed(env: DistEnv, backend: str = "auto",
                      timeout_s: float = 300.0) -> tuple[torch.device, str]:
     """Join the process group described by ``env``; returns (device, backend).
 
-    Configures threads, picks the device and backend, fixes the gloo interface, then calls
+    Configures threads and malloc, picks the device and backend, fixes the gloo interface, then calls
     ``init_process_group``. ``timeout_s`` bounds the rendezvous and, as in torch, collectives;
     a rank other than 0 that cannot reach rank 0 may take about twice as long to give up,
     because torch retries the connection once.
@@ -479,6 +481,7 @@ def init_distributed(env: DistEnv, backend: str = "auto",
             raise BootstrapError(f"MASTER_ADDR={env.master_addr!r} cannot be resolved "
                                  f"({exc.strerror or exc})") from None
     configure_threads(env, os.environ)
+    hostmem.keep_freed_memory(os.environ)  # no page faults on every CPU step (see hostmem)
     device, backend = pick_device_and_backend(backend, env.local_rank)
     fix_loopback_ifname(env, os.environ)
     timeout = timedelta(seconds=timeout_s)

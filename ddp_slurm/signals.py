@@ -1,7 +1,8 @@
 """Stop signals as a flag: handlers record which signal came and do nothing else.
 
-No I/O, no collective, no exception from inside a handler: the training loop reads the flag at the
-next step boundary and all ranks agree (with one small all-reduce) on stopping at the same step.
+No I/O, no collective, no exception from inside a handler: the training loop reads the flag after
+each step and all ranks agree (``engine.StopVote``: one small all-reduce, read a step later) on
+stopping at the same step.
 SIGTERM always means "checkpoint and stop"; the configured signal (SIGUSR2 by default, the one
 Slurm's ``--signal`` sends before the time limit) additionally means "requeue me".
 

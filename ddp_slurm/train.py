@@ -169,17 +169,6 @@ def save_checkpoint(cfg: Config, env: DistEnv, model, optimizer, scheduler, pos:
     pos.last_saved = pos.step
 
 
-def sync_flags(stop: StopFlag, loss: torch.Tensor | None, flags: torch.Tensor, world_size: int) -> tuple[bool, bool, bool]:
-    """One small all-reduce (MAX) so every rank sees the same (requeue, terminate, non-finite) at the same step."""
-    flags[0] = float(stop.requeue_requested)
-    flags[1] = float(stop.terminate_requested)
-    flags[2] = 0.0 if loss is None else (~torch.isfinite(loss)).float()
-    if world_size > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    requeue, terminate, bad = flags.tolist()
-    return requeue > 0, terminate > 0, bad > 0
-
-
 def train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: StopFlag) -> int:
     t0 = time.monotonic()
     if cfg.train.precision == "bf16" and device.type != "cuda":
@@ -243,7 +232,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
 
     save = lambda finished=False: save_checkpoint(cfg, env, model, optimizer, scheduler, pos, finished, device, t0)  # noqa: E731
     progress = logs.Progress(env.rank == 0, cfg.train.log_every_s)
-    flags = torch.zeros(3, device=device)
+    votes = engine.StopVote(stop, ws, device)
     loss_sum, loss_n, window_t, window_step = torch.zeros((), device=device), 0, time.monotonic(), pos.step
     last_loss = last_rate = None
     perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch).to(device)  # batches index on the device
@@ -251,13 +240,21 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
     epoch_steps = lambda: min(steps_per_epoch, pos.step_in_epoch + total_steps - pos.step)  # noqa: E731
     progress.start_epoch(pos.epoch, cfg.train.epochs, epoch_steps(), pos.step_in_epoch)
 
-    requeue, terminate, _ = sync_flags(stop, None, flags, ws)  # a signal that came before the first step
+    requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)  # a signal that came before the first step
     while not (requeue or terminate) and pos.step < total_steps:
         loss = step_fn(data.rank_batch(perm, pos.step_in_epoch, G, env.rank, ws))
         pos.step += 1
         pos.step_in_epoch += 1
         loss_sum += loss
         loss_n += 1
+        end_of_epoch = pos.step_in_epoch == steps_per_epoch or pos.step == total_steps
+        saving = end_of_epoch or bool(cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0)
+        # The ranks agree on stopping one step late, without waiting for each other (engine.StopVote);
+        # before an evaluation or a save they wait, so that nothing non-finite is evaluated or saved.
+        requeue, terminate, bad = votes.exchange(loss, pos.step, wait=saving)
+        if bad:
+            raise NonFiniteLoss(f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
+                                "(lower train.lr and start a new run.name)")
 
         if pos.step % cfg.train.log_every_steps == 0:  # the only per-window host sync for the loss
             mean = loss_sum / loss_n
@@ -272,7 +269,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
         eta = (total_steps - pos.step) * G / last_rate if last_rate else None
         progress.update(pos.step, pos.epoch, pos.step_in_epoch, epoch_steps(), last_loss, last_rate, eta)
 
-        if pos.step_in_epoch == steps_per_epoch or pos.step == total_steps:
+        if end_of_epoch:
             progress.end_epoch()
             accuracy, images, test_loss = engine.evaluate(model, test_set, env.rank, ws, cfg.train.precision)
             pos.best_accuracy = max(pos.best_accuracy, accuracy)
@@ -285,14 +282,12 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
             save(finished=pos.step >= total_steps)
             if pos.step < total_steps:
                 progress.start_epoch(pos.epoch, cfg.train.epochs, epoch_steps(), 0)
-        elif cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0:
+        elif saving:
             save()
+        if saving:  # a signal that came during the evaluation or the save stops here: this step is on disk
+            requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)
 
-        requeue, terminate, bad = sync_flags(stop, loss, flags, ws)  # one small all-reduce per step
-        if bad:
-            raise NonFiniteLoss(f"loss is {loss.item()} at step {pos.step} (epoch {pos.epoch + 1}): stopping; "
-                                "nothing non-finite was saved (lower train.lr and start a new run.name)")
-
+    votes.settle()  # the last step's flags, when a signal ended the loop: no collective left in flight
     progress.end_epoch()
     if (requeue or terminate) and pos.step < total_steps:
         stop.stopping = True  # keep absorbing stop signals until the process exits (see signals.py)

@@ -68,14 +68,21 @@ def test_limit_smoke(tmp_path: Path) -> None:
 
 
 def test_ddp_smoke(tmp_path: Path) -> None:
-    p, text = bench(tmp_path, "ddp", "--model", "mlp", "--batch", "16", "--steps", "3", "--windows", "1",
+    p, text = bench(tmp_path, "ddp", "--model", "mlp", "--batch", "16", "--steps", "3", "--windows", "2",
                     "--repeats", "1", "--warmup", "1", "--device", "cpu")
-    for n in (1, 2):
-        r = p[f"ranks_{n}"]
-        assert r["backend"] == "gloo" and r["threads_per_rank"] == p["threads"]
+    one, two = p["ranks_1"], p["ranks_2"]
+    assert one["threads_per_rank"] == two["threads_per_rank"] == p["threads"] and two["backend"] == "gloo"
+    for r in (one, two):
+        assert len(r["per_rank_samples_per_s"]["values"]) == 2  # one per window
         assert positive(r["per_rank_samples_per_s"]["median"]) and positive(r["step_s"])
-        assert positive(r["compute_s"]) and r["communication_s"] >= 0 and positive(r["allreduce_alone_s"])
-    assert positive(p["efficiency"])
+    assert positive(two["compute_s"]) and two["communication_s"] >= 0 and positive(two["allreduce_alone_s"])
+    ratios = p["efficiency_per_window"]["values"]
+    assert len(ratios) == 2 and all(positive(x) for x in ratios)
+    assert p["efficiency"] == pytest.approx(p["efficiency_per_window"]["median"])
+    # each window pairs rank 0 alone with both ranks: the ratio is the pair's step times
+    lone = [16 / r for r in one["per_rank_samples_per_s"]["values"]]
+    both = [16 / r for r in two["per_rank_samples_per_s"]["values"]]
+    assert ratios == pytest.approx([a / b for a, b in zip(lone, both)])
     assert "weak-scaling efficiency" in text and "threads:" in text
 
 

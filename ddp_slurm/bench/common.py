@@ -64,7 +64,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def set_threads(requested: int | None) -> int:
-    """Intra-op threads: ``requested``, else what ``ddp_slurm.train`` would use for one process."""
+    """Intra-op threads: ``requested``, else what ``ddp_slurm.train`` would use for one process; and
+    malloc kept from returning freed memory to the OS, as ``ddp_slurm.train`` does (see hostmem)."""
+    from .. import hostmem
+
+    hostmem.keep_freed_memory(os.environ)
     if requested is not None:
         torch.set_num_threads(requested)
         return requested

@@ -1,14 +1,21 @@
 """``bench ddp``: weak scaling on one machine, 1 rank against 2 ranks with the same per-rank batch.
 
 Each rank is a real process joined through ``ddp_slurm.bootstrap`` (gloo on CPU; nccl where there are
-two GPUs) and trains with what ``ddp_slurm.train`` uses: ``engine.wrap_ddp`` (the bare model for one
-rank) and ``engine.make_step``. Every rank gets the same number of threads in both runs, half the
-machine's CPUs: one rank with all of them would compare two cores against two times one core and
-measure how well one process uses two cores, not what DDP costs. Step time is split into compute (the
-same step on the bare model: no collective at all, so no waiting for the other rank either) and
-communication (the rest: the gradient all-reduce not hidden behind the backward pass, DDP's broadcast
-of batch-norm buffers, and the wait for the slower rank); a lone all-reduce of the gradients' size is
-timed too.
+two GPUs) and trains with what ``ddp_slurm.train`` uses: ``engine.wrap_ddp``, ``engine.make_step`` and
+the loop's per-step ``engine.StopVote``. Every rank gets the same number of threads, half the machine's
+CPUs: one rank with all of them would compare two cores against two times one core and measure how
+well one process uses two cores, not what DDP costs.
+
+The two world sizes are measured in the same launch, in alternating windows, because on a shared
+machine the speed of the cores drifts by 10-30% over seconds (other tenants, caches, clocks), which
+separate launches would read as a difference between the world sizes:
+  1 rank   rank 0 alone trains its own model exactly as ``train`` does at world size 1 (no DDP, no
+           collective) while rank 1 waits, idle, in a barrier;
+  2 ranks  both ranks run the training step;
+  compute  both ranks run the same step on the bare model: no collectives, no waiting for the other.
+Efficiency is the median over windows of (1-rank step / 2-rank step), each pair measured seconds
+apart. Communication = 2-rank step - compute: the gradient all-reduce, the stop vote and the wait for
+the slower rank; a lone all-reduce of the gradients' size is timed too.
 
 The workers are ``python -m ddp_slurm.bench.ddp --worker``; they write their timings as JSON.
 """
@@ -22,11 +29,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .. import bootstrap, config, data, engine, models
+from ..signals import StopFlag
 from . import common
 
 
@@ -36,10 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda (nccl) with two or more GPUs, else cpu (gloo)")
     p.add_argument("--steps", type=int, default=20, help="steps per measurement window (default 20)")
-    p.add_argument("--windows", type=int, default=3, help="windows of each kind per launch (default 3)")
-    p.add_argument("--repeats", type=int, default=2, help="launches of each world size, alternating (default 2)")
+    p.add_argument("--windows", type=int, default=8, help="windows of each kind per launch (default 8)")
+    p.add_argument("--repeats", type=int, default=2, help="launches (default 2)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=900, help="seconds a launch may take (default 900)")
+
+
+WORLD = 2  # the 1-rank figures come from rank 0 of the same launch
 
 
 def _free_port() -> int:
@@ -48,13 +59,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, threads: int, device: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
-    """Start ``world`` worker processes, wait for all, return their results (rank order)."""
+def launch(threads: int, device: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """Start the two worker processes, wait for both, return their results (rank order)."""
     port, procs, outs = _free_port(), [], []
-    for rank in range(world):
-        out, log = tmp / f"w{world}-r{rank}-{port}.json", tmp / f"w{world}-r{rank}-{port}.log"
-        env = common.child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    for rank in range(WORLD):
+        out, log = tmp / f"r{rank}-{port}.json", tmp / f"r{rank}-{port}.log"
+        env = common.child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                               LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                OMP_NUM_THREADS=str(threads))
         cmd = [sys.executable, "-m", "ddp_slurm.bench.ddp", "--worker", "--out", str(out), "--device", device,
                "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps),
@@ -65,7 +76,7 @@ def launch(world: int, threads: int, device: str, args: argparse.Namespace, tmp:
     try:
         codes = [p.wait(timeout=args.timeout) for p in procs]
     except subprocess.TimeoutExpired:
-        codes = [None] * world
+        codes = [None] * WORLD
     finally:
         for p in procs:  # only our own workers, by their process handles
             if p.poll() is None:
@@ -75,25 +86,30 @@ def launch(world: int, threads: int, device: str, args: argparse.Namespace, tmp:
         if code != 0:
             tail = log.read_text().strip().splitlines()[-5:]
             why = f"exit {code}" if code is not None else f"no result after {args.timeout:g} s"
-            raise common.BenchError(f"ddp worker rank {rank}/{world} failed ({why}): {' | '.join(tail)}")
+            raise common.BenchError(f"ddp worker rank {rank}/{WORLD} failed ({why}): {' | '.join(tail)}")
     return [json.loads(out.read_text()) for out, _ in outs]
 
 
 def summarise(runs: list[list[dict[str, Any]]], batch: int) -> dict[str, Any]:
-    """Per-rank samples/s per window (mean over ranks), step/compute medians, all-reduce alone."""
-    rates, steps, computes, alone, flags = [], [], [], [], []
+    """Per window: rank 0's lone step, the 2-rank step and compute (the slowest rank's: a synchronous
+    step lasts as long as the slowest rank), paired into the efficiency."""
+    solo, steps, computes, ratios, alone = [], [], [], [], []
     for ranks in runs:
-        for w in range(len(ranks[0]["step_s"])):
-            rates.append(sum(batch / r["step_s"][w] for r in ranks) / len(ranks))
-            steps.append(max(r["step_s"][w] for r in ranks))  # a synchronous step lasts as long as the slowest rank
+        for w, lone in enumerate(ranks[0]["solo_s"]):
+            step = max(r["step_s"][w] for r in ranks)
+            solo.append(lone)
+            steps.append(step)
             computes.append(max(r["compute_s"][w] for r in ranks))
+            ratios.append(lone / step)
         alone.append(max(r["allreduce_s"] for r in ranks))
-        flags.append(max(r["flags_s"] for r in ranks))
     step, compute = common.summary(steps)["median"], common.summary(computes)["median"]
-    return {"per_rank_samples_per_s": common.summary(rates), "step_s": step, "compute_s": compute,
-            "communication_s": max(0.0, step - compute), "allreduce_alone_s": common.summary(alone)["median"],
-            "loop_flags_s": common.summary(flags)["median"], "threads_per_rank": runs[0][0]["threads"],
-            "backend": runs[0][0]["backend"]}
+    first = runs[0][0]
+    one = {"per_rank_samples_per_s": common.summary([batch / s for s in solo]), "step_s": common.summary(solo)["median"],
+           "threads_per_rank": first["threads"], "backend": "none (one process, no DDP)"}
+    two = {"per_rank_samples_per_s": common.summary([batch / s for s in steps]), "step_s": step, "compute_s": compute,
+           "communication_s": max(0.0, step - compute), "allreduce_alone_s": common.summary(alone)["median"],
+           "threads_per_rank": first["threads"], "backend": first["backend"]}
+    return {"ranks_1": one, "ranks_2": two, "efficiency_per_window": common.summary(ratios)}
 
 
 def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
@@ -103,40 +119,34 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
         raise common.BenchError(f"--device cuda needs 2 GPUs for 2 ranks, torch sees {gpus}: use --device cpu")
     cpus = common.usable_cpus()
     per_rank = threads or max(1, cpus // 2)
-    results: dict[int, list[list[dict[str, Any]]]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-bench-") as tmp:
-        for _ in range(args.repeats):
-            for world in (1, 2):  # alternating, so slow drifts in the machine's load hit both
-                results[world].append(launch(world, per_rank, device, args, Path(tmp)))
-    one, two = summarise(results[1], args.batch), summarise(results[2], args.batch)
+        runs = [launch(per_rank, device, args, Path(tmp)) for _ in range(args.repeats)]
     payload = common.header("ddp", device, per_rank, model=args.model, per_rank_batch=args.batch, steps=args.steps,
                             windows=args.windows, repeats=args.repeats, cpus=cpus)
-    payload.update({"ranks_1": one, "ranks_2": two,
-                    "efficiency": two["per_rank_samples_per_s"]["median"] / one["per_rank_samples_per_s"]["median"]})
+    payload.update(summarise(runs, args.batch))
+    payload["efficiency"] = payload["efficiency_per_window"]["median"]
     if device == "cpu" and 2 * per_rank > cpus:
         payload["warning"] = f"2 ranks x {per_rank} thread(s) > {cpus} CPUs: the 2-rank run is oversubscribed"
     return payload
 
 
 def render(p: dict[str, Any]) -> str:
-    q = p["params"]
-    title = (f"bench ddp: {q['model']}, per-rank batch {q['per_rank_batch']}, {p['device']} "
-             f"({p['ranks_2']['backend']}), {p['threads']} thread(s) per rank; {q['repeats']} launches per world "
-             f"size x {q['windows']} windows of {q['steps']} steps")
-    rows = []
-    for n in (1, 2):
-        r = p[f"ranks_{n}"]
-        rows.append([str(n), *common.fmt_spread(r["per_rank_samples_per_s"]), f"{1e3 * r['step_s']:.1f}",
-                     f"{1e3 * r['compute_s']:.1f}", f"{1e3 * r['communication_s']:.1f}",
-                     f"{1e3 * r['allreduce_alone_s']:.2f}"])
-    notes = [f"weak-scaling efficiency at 2 ranks: {100 * p['efficiency']:.0f}% (per-rank samples/s, 2 ranks / 1 rank)",
-             f"threads: {p['threads']} per rank in both runs ({q['cpus']} CPUs / 2 ranks); giving the lone rank all "
+    q, one, two = p["params"], p["ranks_1"], p["ranks_2"]
+    title = (f"bench ddp: {q['model']}, per-rank batch {q['per_rank_batch']}, {p['device']} ({two['backend']}), "
+             f"{p['threads']} thread(s) per rank; {q['repeats']} launch(es) x {q['windows']} windows of "
+             f"{q['steps']} steps, 1 and 2 ranks alternating")
+    rows = [["1", *common.fmt_spread(one["per_rank_samples_per_s"]), f"{1e3 * one['step_s']:.1f}", "-", "-", "-"],
+            ["2", *common.fmt_spread(two["per_rank_samples_per_s"]), f"{1e3 * two['step_s']:.1f}",
+             f"{1e3 * two['compute_s']:.1f}", f"{1e3 * two['communication_s']:.1f}",
+             f"{1e3 * two['allreduce_alone_s']:.2f}"]]
+    e = p["efficiency_per_window"]
+    notes = [f"weak-scaling efficiency at 2 ranks: {100 * p['efficiency']:.0f}% (median over windows of 1-rank step / "
+             f"2-rank step; {100 * e['min']:.0f}-{100 * e['max']:.0f}% across windows)",
+             f"threads: {p['threads']} per rank in both ({q['cpus']} CPUs / 2 ranks); giving the lone rank all "
              f"{q['cpus']} would measure one process's use of {q['cpus']} cores, not DDP's cost",
-             "compute = the step on the bare model (no collectives); communication = step - compute: the "
-             "all-reduce not hidden behind the backward pass, DDP's buffer broadcast, and waiting for the "
-             "slower rank; 'alone' = one all-reduce of the gradients' size",
-             f"the training loop adds one 3-float all-reduce per step for stop signals: "
-             f"{1e3 * p['ranks_2']['loop_flags_s']:.2f} ms at 2 ranks",
+             "step = the training loop's step (DDP step + stop vote); compute = the same step on the bare model, "
+             "no collectives; communication = step - compute: the gradient all-reduce, the stop vote and "
+             "waiting for the slower rank; 'alone' = one all-reduce of the gradients' size",
              f"load average {p['machine']['load_average_1m']}"]
     if "warning" in p:
         notes.append("warning: " + p["warning"])
@@ -144,8 +154,32 @@ def render(p: dict[str, Any]) -> str:
                                 "comm ms", "alone ms"], rows, notes)
 
 
+def _batches(size: int, seed: int, G: int, rank: int, world: int, device: torch.device) -> Iterator[torch.Tensor]:
+    """This rank's batch indices, epoch after epoch, as the training loop draws them."""
+    epoch = 0
+    while True:
+        perm = data.epoch_permutation(size, seed, epoch).to(device)
+        for i in range(data.steps_per_epoch(size, G)):
+            yield data.rank_batch(perm, i, G, rank, world)
+        epoch += 1
+
+
+def _trainer(model_name: str, G: int, world: int, device: torch.device, train: data.Split):
+    """(model, step, step on the bare model) built as ``ddp_slurm.train`` builds them for ``world`` ranks."""
+    cfg = config.load(overrides=[f"model.name={model_name}", f"train.global_batch_size={G}"])
+    torch.manual_seed(cfg.run.seed)
+    model = models.build(model_name).to(device)
+    optimizer = engine.make_optimizer(cfg.train, model.parameters(), device)
+    scheduler = engine.make_scheduler(cfg.train, optimizer, 10**9)  # its length does not change the cost
+    net = engine.wrap_ddp(model, device, world)
+    step = engine.make_step(net, optimizer, scheduler, train.images, train.labels, cfg.train.precision)
+    # The same step on the module inside DDP: DDP's hooks stay idle when its forward is bypassed.
+    bare = engine.make_step(model, optimizer, scheduler, train.images, train.labels, cfg.train.precision)
+    return model, step, bare
+
+
 def worker(argv: list[str]) -> int:
-    """One rank: train, time windows with and without the gradient all-reduce, write JSON."""
+    """One of the two ranks: time alternating windows (rank 0 alone, both training, both computing), write JSON."""
     import torch.distributed as dist
 
     p = argparse.ArgumentParser(prog="python -m ddp_slurm.bench.ddp --worker")
@@ -158,54 +192,55 @@ def worker(argv: list[str]) -> int:
     with bootstrap.distributed(env, backend, timeout_s=args.timeout) as (device, backend):
         if args.device == "cpu":
             device = torch.device("cpu")  # a GPU machine benchmarking its CPUs
-        G = args.batch * env.world_size
-        cfg = config.load(overrides=[f"model.name={args.model}", f"train.global_batch_size={G}"])
-        train = data.load_sample(train=True).to(device)
-        torch.manual_seed(cfg.run.seed)
-        model = models.build(args.model).to(device)
-        optimizer = engine.make_optimizer(cfg.train, model.parameters(), device)
-        scheduler = engine.make_scheduler(cfg.train, optimizer, 10**9)  # its length does not change the cost
-        net = engine.wrap_ddp(model, device, env.world_size)
-        step = engine.make_step(net, optimizer, scheduler, train.images, train.labels, cfg.train.precision)
-        # The same step on the module inside DDP: DDP's hooks stay idle when its forward is bypassed.
-        bare = engine.make_step(model, optimizer, scheduler, train.images, train.labels, cfg.train.precision)
-        per_epoch = data.steps_per_epoch(len(train), G)
-        position = {"epoch": 0, "i": 0, "perm": data.epoch_permutation(len(train), cfg.run.seed, 0).to(device)}
+        train, B, ws = data.load_sample(train=True).to(device), args.batch, env.world_size
+        model, step, bare = _trainer(args.model, B * ws, ws, device, train)
+        batches = _batches(len(train), 0, B * ws, env.rank, ws, device)
+        votes = engine.StopVote(StopFlag(), ws, device)  # no handlers: nobody signals a benchmark
+        if env.rank == 0:  # the 1-rank run: its own model, no DDP, as ddp_slurm.train trains one process
+            _, solo, _ = _trainer(args.model, B, 1, device, train)
+            solo_batches = _batches(len(train), 0, B, 0, 1, device)
+            solo_votes = engine.StopVote(StopFlag(), 1, device)
 
-        def run(n: int, communicate: bool = True) -> None:
-            fn = step if communicate else bare
-            for _ in range(n):
-                if position["i"] == per_epoch:
-                    position["epoch"] += 1
-                    position["i"] = 0
-                    perm = data.epoch_permutation(len(train), cfg.run.seed, position["epoch"])
-                    position["perm"] = perm.to(device)
-                fn(data.rank_batch(position["perm"], position["i"], G, env.rank, env.world_size))
-                position["i"] += 1
+        def run(fn, source: Iterator[torch.Tensor], vote: engine.StopVote | None, n: int) -> None:
+            for i in range(n):
+                loss = fn(next(source))
+                if vote is not None:
+                    vote.exchange(loss, i)
+            if vote is not None:
+                vote.settle()
 
-        def window(fn) -> float:
-            if env.world_size > 1:
-                dist.barrier()  # the ranks start each window together
-            return common.timed(fn, device)
+        def window(fn, n: int, lone: bool = False) -> float:
+            dist.barrier()  # the ranks start each window together
+            if lone and env.rank != 0:
+                seconds = 0.0
+            else:
+                seconds = common.timed(lambda: fn(n), device) / n
+            if lone:
+                dist.barrier()  # rank 1 waits here, idle, while rank 0 trains alone
+            return seconds
 
-        run(args.warmup)
-        step_s, compute_s = [], []
+        kinds = {"solo_s": (lambda n: run(solo, solo_batches, solo_votes, n), True),
+                 "step_s": (lambda n: run(step, batches, votes, n), False),
+                 "compute_s": (lambda n: run(bare, batches, None, n), False)}
+        for fn, lone in kinds.values():
+            window(fn, args.warmup, lone)
+        times: dict[str, list[float]] = {name: [] for name in kinds}
         for _ in range(args.windows):
-            step_s.append(window(lambda: run(args.steps)) / args.steps)
-            compute_s.append(window(lambda: run(args.steps, communicate=False)) / args.steps)
+            for name, (fn, lone) in kinds.items():
+                times[name].append(window(fn, args.steps, lone))
         grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
         reps = 20
-        allreduce_s = window(lambda: [dist.all_reduce(grads) for _ in range(reps)]) / reps
-        flags = torch.zeros(3, device=device)  # what train.sync_flags does every step
-        flags_s = window(lambda: [(dist.all_reduce(flags, op=dist.ReduceOp.MAX), flags.tolist())
-                                  for _ in range(reps)]) / reps
-        args.out.write_text(json.dumps({"rank": env.rank, "world": env.world_size, "threads": torch.get_num_threads(),
-                                        "backend": backend, "device": str(device), "step_s": step_s,
-                                        "compute_s": compute_s, "allreduce_s": allreduce_s, "flags_s": flags_s}))
+        allreduce_s = window(lambda n: [dist.all_reduce(grads) for _ in range(n)], reps)
+        args.out.write_text(json.dumps({"rank": env.rank, "world": ws, "threads": torch.get_num_threads(),
+                                        "backend": backend, "device": str(device), **times,
+                                        "allreduce_s": allreduce_s}))
     return 0
 
 
 if __name__ == "__main__":
     if "--worker" not in sys.argv[1:]:
         sys.exit("this module is the worker of `python -m ddp_slurm.bench ddp`; run that instead")
-    sys.exit(worker(sys.argv[1:]))
+    code = worker(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as ddp_slurm.train: finalizing the interpreter can abort a finished gloo rank (exit 134)

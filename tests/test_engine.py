@@ -1,0 +1,118 @@
+"""engine: the stop vote (one step late, the same on every rank) and evaluation of rank 0's model.
+
+The 2-rank tests run real processes joined over gloo.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import base_env
+from ddp_slurm import data, engine, models
+from ddp_slurm.signals import StopFlag
+
+FINE = torch.tensor(0.5)
+
+
+def test_a_signal_is_agreed_one_step_late() -> None:
+    stop = StopFlag()  # not installed: the test sets what a handler would
+    votes = engine.StopVote(stop, 1, torch.device("cpu"))
+    assert votes.exchange(FINE, 1) == (False, False, False)
+    stop.requeue_requested = True  # arrives during step 2
+    assert votes.exchange(FINE, 2) == (False, False, False)  # step 1's flags
+    assert votes.exchange(FINE, 3) == (True, False, False)  # step 2's
+    stop.terminate_requested = True
+    assert votes.exchange(FINE, 4, wait=True) == (True, True, False)  # waiting includes this step's own flags
+    assert votes.settle() == (False, False, False)  # nothing left in flight
+
+
+def test_settle_returns_the_last_posted_flags() -> None:
+    stop = StopFlag()
+    votes = engine.StopVote(stop, 1, torch.device("cpu"))
+    stop.terminate_requested = True
+    assert votes.exchange(None, 0) == (False, False, False)
+    assert votes.settle() == (False, True, False)
+    assert votes.settle() == (False, False, False)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_loss_is_named_with_its_step(value: float) -> None:
+    votes = engine.StopVote(StopFlag(), 1, torch.device("cpu"))
+    votes.exchange(FINE, 6)
+    assert votes.exchange(torch.tensor(value), 7) == (False, False, False)
+    assert votes.exchange(FINE, 8) == (False, False, True)
+    assert votes.bad == f"loss is {value} at step 7"
+
+
+TWO_RANKS = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from ddp_slurm import data, engine, models
+    from ddp_slurm.signals import StopFlag
+
+    rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    stop = StopFlag()
+    votes = engine.StopVote(stop, 2, torch.device("cpu"))
+    seen = []
+    for step in range(1, 8):
+        if rank == 1 and step == 3:
+            stop.requeue_requested = True  # only rank 1 got the signal, during step 3
+        loss = torch.tensor(float("nan") if rank == 0 and step == 5 else 0.5)
+        seen.append(votes.exchange(loss, step, wait=step == 7))
+    seen.append(votes.settle())
+
+    torch.manual_seed(0)
+    model = models.build("cnn")
+    model.train()
+    model(torch.randn(64, 1, 28, 28) * (1 + rank))  # rank-local batch-norm statistics, as in training
+    before = [b.clone() for b in model.buffers()]
+    result = engine.evaluate(model, data.load_sample(train=False), rank, 2)
+    if rank == 0:
+        torch.save(model.state_dict(), sys.argv[4])
+    with open(out, "w") as f:
+        json.dump({"seen": seen, "bad": votes.bad, "eval": result,
+                   "buffers": [b.tolist() for b in model.buffers() if b.is_floating_point()],
+                   "changed": any(not torch.equal(a, b) for a, b in zip(before, model.buffers()))}, f)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_at_the_same_step_and_evaluate_rank_zeros_model(tmp_path: Path) -> None:
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS)
+    weights = tmp_path / "rank0.pt"
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"),
+                               str(tmp_path / f"out{rank}.json"), str(weights)],
+                              env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    for p in procs:
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output
+    r0, r1 = (json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2))
+
+    assert r0["seen"] == r1["seen"]  # every rank reads the same flags after the same step
+    requeue = [s[0] for s in r0["seen"]]
+    assert requeue.index(True) == 3  # posted after step 3, read after step 4 (index 3)
+    bad = [s[2] for s in r0["seen"]]
+    assert bad.index(True) == 5  # step 5's NaN, read after step 6
+    assert r0["bad"] == "loss is nan at step 5"
+    assert r1["bad"] == "loss is not finite on another rank at step 5"
+
+    # rank 1 evaluated with rank 0's batch-norm statistics: both report what rank 0's model scores alone
+    assert r1["changed"] and not r0["changed"]
+    assert r0["buffers"] == r1["buffers"]
+    model = models.build("cnn")
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    alone = engine.evaluate(model, data.load_sample(train=False), 0, 1)
+    assert r0["eval"] == r1["eval"]
+    assert r0["eval"][0] == pytest.approx(alone[0], abs=1e-12) and r0["eval"][1] == alone[1] == 5000
