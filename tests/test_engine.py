@@ -76,10 +76,14 @@ TWO_RANKS = textwrap.dedent("""
     model(torch.randn(64, 1, 28, 28) * (1 + rank))  # rank-local batch-norm statistics, as in training
     before = [b.clone() for b in model.buffers()]
     result = engine.evaluate(model, data.load_sample(train=False), rank, 2)
+    net = engine.wrap_ddp(models.build("cnn"), torch.device("cpu"), 2)
+    for _ in range(2):  # DDP logs its final layout once a step has used it
+        net(torch.randn(8, 1, 28, 28)).sum().backward()
+    buckets = net._get_ddp_logging_data()["rebuilt_bucket_sizes"]
     if rank == 0:
         torch.save(model.state_dict(), sys.argv[4])
     with open(out, "w") as f:
-        json.dump({"seen": seen, "bad": votes.bad, "eval": result,
+        json.dump({"seen": seen, "bad": votes.bad, "eval": result, "buckets": buckets,
                    "buffers": [b.tolist() for b in model.buffers() if b.is_floating_point()],
                    "changed": any(not torch.equal(a, b) for a, b in zip(before, model.buffers()))}, f)
     dist.destroy_process_group()
@@ -116,3 +120,17 @@ def test_two_ranks_agree_at_the_same_step_and_evaluate_rank_zeros_model(tmp_path
     alone = engine.evaluate(model, data.load_sample(train=False), 0, 1)
     assert r0["eval"] == r1["eval"]
     assert r0["eval"][0] == pytest.approx(alone[0], abs=1e-12) and r0["eval"][1] == alone[1] == 5000
+
+    # the cnn's gradients (240 KiB) travel in two buckets: the head and conv3's first, while conv1-2 backward runs
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters())
+    sizes = [int(s) for s in r0["buckets"].split(",")]
+    assert len(sizes) == 2 and sum(sizes) == grad_bytes and r1["buckets"] == r0["buckets"]
+
+
+def test_small_models_get_two_buckets_large_ones_ddps_defaults() -> None:
+    cnn = models.build("cnn")
+    cap = engine.bucket_cap_mb(cnn)
+    assert cap == pytest.approx(4 * sum(p.numel() for p in cnn.parameters()) / 2 / 2 ** 20)
+    assert engine.bucket_cap_mb(torch.nn.Linear(1024, 1024)) is None  # 4 MiB: DDP already splits it
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    assert engine.bucket_cap_mb(frozen) is None
