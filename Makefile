@@ -4,7 +4,7 @@ VENV   := .venv
 PIP    := $(VENV)/bin/pip
 RUN_NAME ?= local-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: run test system-packages clean
+.PHONY: run test lint system-packages clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ system-packages:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2; \
 	fi
 
-test: $(VENV)/.installed system-packages
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(VENV)/.installed system-packages lint
 	$(VENV)/bin/python -m pytest
 
 clean:

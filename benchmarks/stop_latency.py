@@ -17,6 +17,7 @@ have lost (steps since the newest periodic or epoch-end checkpoint), and the rel
 first training step. The machine's load average is printed too: on a shared machine all of these
 are noisy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,7 +85,8 @@ def rows(run_dir: Path) -> list[dict[str, Any]]:
 def last_periodic_checkpoint(run_dir: Path, step: int) -> int:
     """The newest checkpoint at or before ``step`` that a run never stopped by a signal would have:
     every ``checkpoint.every_steps`` and at each epoch end. What a SIGKILL would fall back to."""
-    from ddp_slurm import config, data
+    from ddp_slurm import config
+    from ddp_slurm.tasks.mnist import data
 
     cfg = config.read_resolved(run_dir / "config.yaml")
     every = cfg.checkpoint.every_steps
@@ -101,16 +103,25 @@ class Stop:
         self.first_row = len(rows(self.run_dir))
         cmd = [sys.executable, "-m", "ddp_slurm.train"]
         if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                   "-m", "ddp_slurm.train"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(nproc),
+                "-m",
+                "ddp_slurm.train",
+            ]
         self.log = cwd / f"launch-{index}.log"
         self.t_launch = time.monotonic()
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd + overrides, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd + overrides, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def my_rows(self) -> list[dict[str, Any]]:
-        return rows(self.run_dir)[self.first_row:]
+        return rows(self.run_dir)[self.first_row :]
 
     def wait(self, what: str, ready, timeout_s: float = 1800) -> None:
         deadline = time.monotonic() + timeout_s
@@ -126,8 +137,9 @@ class Stop:
             return {0: self.proc.pid}
         self.wait("the workers", lambda: len(children(self.proc.pid)) == self.nproc)
         kids = children(self.proc.pid)
-        self.wait("the workers' environment", lambda: all(
-            b"RANK=" in Path(f"/proc/{k}/environ").read_bytes() for k in kids))
+        self.wait(
+            "the workers' environment", lambda: all(b"RANK=" in Path(f"/proc/{k}/environ").read_bytes() for k in kids)
+        )
         return {rank_of(k): k for k in kids}
 
     def run(self, after: int) -> dict[str, Any]:
@@ -172,7 +184,8 @@ class Stop:
         return {
             "resumed_from": start["step"] if start["resumed"] else None,
             "startup_to_first_step_s": (first_step[0] if first_step else t_start_row) - self.t_launch,
-            "step_at_signal": step_at_signal, "stop_step": stop["step"],
+            "step_at_signal": step_at_signal,
+            "stop_step": stop["step"],
             "lost_if_killed_steps": step_at_signal - last_periodic_checkpoint(self.run_dir, step_at_signal),
             "signal_to_checkpoint_s": appeared[name] - t0 if name in appeared else 0.0,  # 0: already on disk
             "signal_to_last_rank_exit_s": max(exited.values()) - t0,
@@ -184,8 +197,9 @@ class Stop:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=1, help="ranks (1: plain python, more: torchrun)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="stops to measure (one more launch measures the last resume)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="stops to measure (one more launch measures the last resume)"
+    )
     parser.add_argument("--after", type=int, default=15, help="steps each launch trains before its signal")
     parser.add_argument("--keep", action="store_true", help="keep the run directory and logs")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
@@ -211,15 +225,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    print(f"ddp_slurm stop latency: {args.nproc} process(es), overrides {' '.join(overrides)}; "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs" + (f"; kept in {cwd}" if args.keep else ""))
-    cols = [("step_at_signal", "signal@step", "{}"), ("stop_step", "stop step", "{}"),
-            ("signal_to_checkpoint_s", "->ckpt s", "{:.3f}"), ("signal_to_last_rank_exit_s", "->rank exit s", "{:.2f}"),
-            ("signal_to_launcher_exit_s", "->launcher exit s", "{:.2f}"), ("exit_code", "exit", "{}"),
-            ("resume_step", "resumed at", "{}"), ("steps_lost_on_resume", "steps lost", "{}"),
-            ("lost_if_killed_steps", "lost if SIGKILLed", "{}"),
-            ("relaunch_to_first_step_s", "relaunch->1st step s", "{:.1f}")]
+    print(
+        f"ddp_slurm stop latency: {args.nproc} process(es), overrides {' '.join(overrides)}; "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs" + (f"; kept in {cwd}" if args.keep else "")
+    )
+    cols = [
+        ("step_at_signal", "signal@step", "{}"),
+        ("stop_step", "stop step", "{}"),
+        ("signal_to_checkpoint_s", "->ckpt s", "{:.3f}"),
+        ("signal_to_last_rank_exit_s", "->rank exit s", "{:.2f}"),
+        ("signal_to_launcher_exit_s", "->launcher exit s", "{:.2f}"),
+        ("exit_code", "exit", "{}"),
+        ("resume_step", "resumed at", "{}"),
+        ("steps_lost_on_resume", "steps lost", "{}"),
+        ("lost_if_killed_steps", "lost if SIGKILLed", "{}"),
+        ("relaunch_to_first_step_s", "relaunch->1st step s", "{:.1f}"),
+    ]
     print("  ".join(f"{title:>{max(len(title), 8)}}" for _, title, _ in cols))
     for r in results:
         print("  ".join(f"{fmt.format(r[key]):>{max(len(title), 8)}}" for key, title, fmt in cols))

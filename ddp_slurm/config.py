@@ -4,14 +4,16 @@ Every field has a type and a docstring. ``load`` checks the whole config before 
 an unknown key (with a "did you mean" hint), a wrong type or an invalid value raises ``ConfigError``
 whose message names the key, the file and what was expected. The entry points turn it into exit 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -237,7 +239,9 @@ def _flatten(data: Any, where: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping of sections (run:, data:, train:, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"{where}: expected a mapping of sections (run:, data:, train:, ...), got {type(data).__name__}"
+        )
     flat: dict[str, Any] = {}
     for section, body in data.items():
         if not isinstance(body, Mapping):
@@ -283,7 +287,9 @@ def load(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Confi
         try:
             text = path.read_text()
         except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found (configs ship under jobs/, e.g. jobs/mnist_sample.yaml)") from None
+            raise ConfigError(
+                f"config file {path} not found (configs ship under jobs/, e.g. jobs/mnist_sample.yaml)"
+            ) from None
         except OSError as exc:
             raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
         try:
@@ -328,8 +334,16 @@ def read_resolved(path: Path) -> Config:
 
 
 # Keys that may differ between the launches of one run: they change how it runs, not what it computes.
-RESUMABLE_CHANGES = ("run.output_root", "data.root", "data.download", "train.log_every_steps", "train.log_every_s",
-                     "checkpoint.", "dist.", "slurm.")
+RESUMABLE_CHANGES = (
+    "run.output_root",
+    "data.root",
+    "data.download",
+    "train.log_every_steps",
+    "train.log_every_s",
+    "checkpoint.",
+    "dist.",
+    "slurm.",
+)
 
 
 def incompatible_changes(old: Config, new: Config) -> list[str]:

@@ -61,7 +61,7 @@ PYTHON=$(command -v "${DDP_SLURM_PYTHON:-python}") || {
 PROJECT=""
 dir=${SLURM_SUBMIT_DIR:-$PWD}
 while [ -z "$PROJECT" ] && [ "$dir" != / ]; do
-    [ -f "$dir/ddp_slurm/train.py" ] && [ -d "$dir/jobs" ] && PROJECT=$dir
+    [ -f "$dir/ddp_slurm/train/loop.py" ] && [ -d "$dir/jobs" ] && PROJECT=$dir
     dir=$(dirname "$dir")
 done
 if [ -n "$PROJECT" ]; then

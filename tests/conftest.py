@@ -1,4 +1,5 @@
 """Shared fixtures: run the package's commands as real processes, the way users do."""
+
 from __future__ import annotations
 
 import os
@@ -25,10 +26,13 @@ def skip_or_fail(reason: str) -> None:
 
 def base_env(**extra: str) -> dict[str, str]:
     """The environment for child processes: no inherited launcher variables, quiet thread counts."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                         "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
+        and k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -38,6 +42,7 @@ def base_env(**extra: str) -> dict[str, str]:
 @dataclass
 class Launcher:
     """Runs ``python -m ddp_slurm.<module>`` or torchrun in ``cwd`` with a clean environment."""
+
     cwd: Path
 
     def cmd_train(self, *overrides: str, config: str | None = None) -> list[str]:
@@ -47,21 +52,37 @@ class Launcher:
         return cmd + list(overrides)
 
     def cmd_torchrun(self, nproc: int, *overrides: str, module: str = "ddp_slurm.train") -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                "-m", module, *overrides]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "-m",
+            module,
+            *overrides,
+        ]
 
-    def run(self, cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None,
-            check: bool = False) -> subprocess.CompletedProcess:
-        res = subprocess.run(cmd, cwd=self.cwd, env=env or base_env(), capture_output=True, text=True,
-                             timeout=timeout)
+    def run(
+        self, cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None, check: bool = False
+    ) -> subprocess.CompletedProcess:
+        res = subprocess.run(cmd, cwd=self.cwd, env=env or base_env(), capture_output=True, text=True, timeout=timeout)
         if check and res.returncode != 0:
             raise AssertionError(f"{cmd} exited {res.returncode}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr}")
         return res
 
     def popen(self, cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
         out = open(log, "w") if log else subprocess.PIPE
-        return subprocess.Popen(cmd, cwd=self.cwd, env=env or base_env(), stdout=out, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=self.cwd,
+            env=env or base_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
 
 @pytest.fixture

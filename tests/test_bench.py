@@ -5,6 +5,7 @@ structure of the table and of the JSON (the stable keys the README quotes), that
 positive and finite, and the pieces the figures rest on: the seed pipeline reads the same images as
 ddp_slurm, the FLOP counts, and that training never imports what it does not need.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ddp_slurm import config, data, engine, models
-from ddp_slurm.bench import limit, loader
-
 from conftest import base_env
+
+from ddp_slurm import config
+from ddp_slurm.bench import limit, loader
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import step as engine
 
 HEADER_KEYS = {"command", "machine", "torch", "threads", "device", "params"}
 
@@ -27,8 +29,14 @@ HEADER_KEYS = {"command", "machine", "torch", "threads", "device", "params"}
 def bench(tmp_path: Path, *args: str, timeout: float = 900) -> tuple[dict, str]:
     """Run ``python -m ddp_slurm.bench ARGS --json FILE``; return (JSON, stdout)."""
     out = tmp_path / f"{args[0]}.json"
-    res = subprocess.run([sys.executable, "-m", "ddp_slurm.bench", args[0], "--json", str(out), *args[1:]],
-                         cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.bench", args[0], "--json", str(out), *args[1:]],
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     payload = json.loads(out.read_text())
     assert HEADER_KEYS <= payload.keys(), payload.keys()
@@ -42,8 +50,22 @@ def positive(x: float) -> bool:
 
 
 def test_loader_smoke(tmp_path: Path) -> None:
-    p, text = bench(tmp_path, "loader", "--model", "mlp", "--batch", "32", "--samples", "96", "--rounds", "2",
-                    "--warmup", "1", "--device", "cpu")
+    p, text = bench(
+        tmp_path,
+        "loader",
+        "--model",
+        "mlp",
+        "--batch",
+        "32",
+        "--samples",
+        "96",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+    )
     assert p["device"] == "cpu" and p["params"]["samples_per_round"] == 96
     for key in ("seed_samples_per_s", "ddp_slurm_samples_per_s"):
         s = p[key]
@@ -55,8 +77,22 @@ def test_loader_smoke(tmp_path: Path) -> None:
 
 
 def test_limit_smoke(tmp_path: Path) -> None:
-    p, text = bench(tmp_path, "limit", "--model", "mlp", "--batch", "32", "--rounds", "2", "--seconds", "0.05",
-                    "--peak-size", "256", "--device", "cpu")
+    p, text = bench(
+        tmp_path,
+        "limit",
+        "--model",
+        "mlp",
+        "--batch",
+        "32",
+        "--rounds",
+        "2",
+        "--seconds",
+        "0.05",
+        "--peak-size",
+        "256",
+        "--device",
+        "cpu",
+    )
     assert p["forward_flops_per_sample"] == models.build("mlp").flops_per_sample()
     assert p["training_flops_per_sample"] == 3 * p["forward_flops_per_sample"]
     # the first layer needs no input gradient: the counted step is ~2x forward, not 3x
@@ -68,8 +104,24 @@ def test_limit_smoke(tmp_path: Path) -> None:
 
 
 def test_ddp_smoke(tmp_path: Path) -> None:
-    p, text = bench(tmp_path, "ddp", "--model", "mlp", "--batch", "16", "--steps", "3", "--windows", "2",
-                    "--repeats", "1", "--warmup", "1", "--device", "cpu")
+    p, text = bench(
+        tmp_path,
+        "ddp",
+        "--model",
+        "mlp",
+        "--batch",
+        "16",
+        "--steps",
+        "3",
+        "--windows",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+    )
     one, two = p["ranks_1"], p["ranks_2"]
     assert one["threads_per_rank"] == two["threads_per_rank"] == p["threads"] and two["backend"] == "gloo"
     for r in (one, two):
@@ -104,20 +156,30 @@ def test_tta_smoke(tmp_path: Path) -> None:
     assert positive(p["seconds_to_target"]) and p["seconds_to_target_stdev"] >= 0
     assert "seconds to target" in text
 
-    p, text = bench(tmp_path, "tta", "--target", "1.0", "--seeds", "0", "model.name=mlp", "train.epochs=1",
-                    "train.max_steps=3")
+    p, text = bench(
+        tmp_path, "tta", "--target", "1.0", "--seeds", "0", "model.name=mlp", "train.epochs=1", "train.max_steps=3"
+    )
     assert p["reached"] == 0 and p["seconds_to_target"] is None and p["runs"][0]["accuracies"]
     assert "not reached" in text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["tta", "--target", "2"], "--target 2"),
-    (["loader", "--batch", "0"], "--batch 0"),
-    (["limit", "--threads", "0"], "--threads 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tta", "--target", "2"], "--target 2"),
+        (["loader", "--batch", "0"], "--batch 0"),
+        (["limit", "--threads", "0"], "--threads 0"),
+    ],
+)
 def test_bad_arguments_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
-    res = subprocess.run([sys.executable, "-m", "ddp_slurm.bench", *args], cwd=tmp_path, env=base_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.bench", *args],
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr
     assert message in res.stderr.strip().splitlines()[-1] and "Traceback" not in res.stderr, res.stderr
 
@@ -167,7 +229,7 @@ def test_eager_optimizers_compute_what_torch_computes(name: str) -> None:
 
 TRAIN_AND_CHECK_IMPORTS = """
 import sys
-from ddp_slurm import train
+from ddp_slurm.train import loop as train
 assert train.main(sys.argv[1:]) == 0
 heavy = sorted(m for m in ("torch._dynamo", "torchvision", "submitit", "matplotlib") if m in sys.modules)
 print("heavy:", ",".join(heavy))
@@ -177,9 +239,21 @@ print("heavy:", ",".join(heavy))
 def test_training_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
     """A whole 1-process run (steps, evaluation, checkpoints) without torch._dynamo (as slow to import as
     torch: torch.optim's compile guards pull it in), torchvision, submitit or matplotlib."""
-    res = subprocess.run([sys.executable, "-c", TRAIN_AND_CHECK_IMPORTS, "model.name=cnn", "train.epochs=1",
-                          "train.max_steps=3", "checkpoint.every_steps=1"], cwd=tmp_path, env=base_env(),
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            TRAIN_AND_CHECK_IMPORTS,
+            "model.name=cnn",
+            "train.epochs=1",
+            "train.max_steps=3",
+            "checkpoint.every_steps=1",
+        ],
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "heavy:", res.stdout
-

@@ -22,20 +22,34 @@ from ddp_slurm.bootstrap import (
     derive_port,
     expand_hostlist,
 )
+from ddp_slurm.dist import group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 # --------------------------------------------------------------------------- environments
-def batch_env(job_id: str = "4242", ntasks: int | None = 8, nodes: int = 4,
-              nodelist: str = "gpu-a[001-004]", tasks_per_node: str = "2(x4)") -> dict[str, str]:
+def batch_env(
+    job_id: str = "4242",
+    ntasks: int | None = 8,
+    nodes: int = 4,
+    nodelist: str = "gpu-a[001-004]",
+    tasks_per_node: str = "2(x4)",
+) -> dict[str, str]:
     """Roughly what sbatch exports to the batch script (no SLURM_STEP_ID)."""
     env = {
-        "SLURM_JOB_ID": job_id, "SLURM_JOBID": job_id, "SLURM_JOB_NODELIST": nodelist,
-        "SLURM_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes),
-        "SLURM_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": "0", "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0", "SLURM_CPUS_ON_NODE": "16", "SLURM_SUBMIT_DIR": "/home/u/run",
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOBID": job_id,
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_NODELIST": nodelist,
+        "SLURM_JOB_NUM_NODES": str(nodes),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_TASKS_PER_NODE": tasks_per_node,
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_CPUS_ON_NODE": "16",
+        "SLURM_SUBMIT_DIR": "/home/u/run",
         "PATH": "/usr/bin",
     }
     if ntasks is not None:
@@ -43,28 +57,42 @@ def batch_env(job_id: str = "4242", ntasks: int | None = 8, nodes: int = 4,
     return env
 
 
-def srun_env(procid: int, nodes: int = 4, per_node: int = 2, job_id: str = "4242",
-             nodelist: str = "gpu-a[001-004]", **extra: str) -> dict[str, str]:
+def srun_env(
+    procid: int, nodes: int = 4, per_node: int = 2, job_id: str = "4242", nodelist: str = "gpu-a[001-004]", **extra: str
+) -> dict[str, str]:
     """What srun adds for task ``procid`` of a block-distributed step inside the batch job."""
     ntasks = nodes * per_node
     tpn = f"{per_node}(x{nodes})" if nodes > 1 else str(per_node)
     env = batch_env(job_id, ntasks, nodes, nodelist, tpn)
-    env.update({
-        "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_PROCID": str(procid),
-        "SLURM_LOCALID": str(procid % per_node), "SLURM_NODEID": str(procid // per_node),
-        "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_STEP_NUM_NODES": str(nodes),
-        "SLURM_STEP_NODELIST": nodelist, "SLURM_STEP_TASKS_PER_NODE": tpn,
-    })
+    env.update(
+        {
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEPID": "0",
+            "SLURM_PROCID": str(procid),
+            "SLURM_LOCALID": str(procid % per_node),
+            "SLURM_NODEID": str(procid // per_node),
+            "SLURM_STEP_NUM_TASKS": str(ntasks),
+            "SLURM_STEP_NUM_NODES": str(nodes),
+            "SLURM_STEP_NODELIST": nodelist,
+            "SLURM_STEP_TASKS_PER_NODE": tpn,
+        }
+    )
     env.update(extra)
     return env
 
 
 def torchrun_env(rank: int, nodes: int, per_node: int, **extra: str) -> dict[str, str]:
     env = {
-        "RANK": str(rank), "WORLD_SIZE": str(nodes * per_node), "LOCAL_RANK": str(rank % per_node),
-        "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node),
-        "GROUP_WORLD_SIZE": str(nodes), "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500",
-        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "none",
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nodes * per_node),
+        "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "GROUP_RANK": str(rank // per_node),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_RUN_ID": "none",
     }
     env.update(extra)
     return env
@@ -73,8 +101,7 @@ def torchrun_env(rank: int, nodes: int, per_node: int, **extra: str) -> dict[str
 # ------------------------------------------------------------------------ from_environ
 def test_no_launcher_is_single_process() -> None:
     env = DistEnv.from_environ({"PATH": "/usr/bin"})
-    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
-        "single", 0, 1, 0, 1)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("single", 0, 1, 0, 1)
     assert (env.node_rank, env.num_nodes, env.master_addr, env.master_port) == (0, 1, "127.0.0.1", 0)
     assert env.job_id is None and env.slurm_job_ref is None and not env.in_slurm_job
     assert env.is_main and not env.is_distributed and env.restart_count == 0
@@ -100,7 +127,12 @@ def test_dist_env_is_frozen() -> None:
 def test_torchrun_one_node(rank: int) -> None:
     env = DistEnv.from_environ(torchrun_env(rank, nodes=1, per_node=2, MASTER_ADDR="127.0.0.1"))
     assert (env.launcher, env.rank, env.local_rank, env.world_size, env.local_world_size) == (
-        "torchrun", rank, rank, 2, 2)
+        "torchrun",
+        rank,
+        rank,
+        2,
+        2,
+    )
     assert (env.node_rank, env.num_nodes, env.master_addr, env.master_port) == (0, 1, "127.0.0.1", 29500)
     assert env.is_main == (rank == 0) and env.is_distributed and not env.in_slurm_job
 
@@ -138,8 +170,7 @@ def test_srun_gpus_per_task_ignores_cuda_visible_devices() -> None:
 
 def test_srun_uneven_tasks_per_node() -> None:
     raw = srun_env(6, nodes=3, per_node=3, nodelist="n[1-3]")
-    raw.update(SLURM_STEP_TASKS_PER_NODE="3,2(x2)", SLURM_STEP_NUM_TASKS="7", SLURM_NODEID="2",
-               SLURM_LOCALID="1")
+    raw.update(SLURM_STEP_TASKS_PER_NODE="3,2(x2)", SLURM_STEP_NUM_TASKS="7", SLURM_NODEID="2", SLURM_LOCALID="1")
     env = DistEnv.from_environ(raw)
     assert (env.local_world_size, env.node_rank, env.world_size) == (2, 2, 7)
 
@@ -150,12 +181,19 @@ def test_srun_cpus_per_task_and_restart() -> None:
 
 
 def test_srun_torchrun_prefers_torchrun_layout_but_keeps_slurm_job() -> None:
-    raw = srun_env(1, nodes=2, per_node=1, nodelist="gpu-a[001-002]", SLURM_RESTART_COUNT="2",
-                   SLURM_ARRAY_JOB_ID="123", SLURM_ARRAY_TASK_ID="4", SLURM_CPUS_PER_TASK="32")
+    raw = srun_env(
+        1,
+        nodes=2,
+        per_node=1,
+        nodelist="gpu-a[001-002]",
+        SLURM_RESTART_COUNT="2",
+        SLURM_ARRAY_JOB_ID="123",
+        SLURM_ARRAY_TASK_ID="4",
+        SLURM_CPUS_PER_TASK="32",
+    )
     raw.update(torchrun_env(5, nodes=2, per_node=4, TORCHELASTIC_RESTART_COUNT="1"))
     env = DistEnv.from_environ(raw)
-    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
-        "torchrun", 5, 8, 1, 4)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("torchrun", 5, 8, 1, 4)
     assert (env.node_rank, env.num_nodes, env.master_addr, env.master_port) == (1, 2, "10.0.0.5", 29500)
     assert env.restart_count == 2  # the Slurm requeue count, not torchrun's
     assert env.job_id == "4242" and env.slurm_job_ref == "123_4" and env.cpus_per_task == 32
@@ -175,8 +213,7 @@ def test_pseudo_steps_are_not_srun_steps(step_id: str) -> None:
 
 @pytest.mark.parametrize("ntasks", [1, None])
 def test_one_task_batch_script_is_single_with_job(ntasks: int | None) -> None:
-    raw = {**batch_env(ntasks=ntasks, nodes=1, nodelist="gpu-a007", tasks_per_node="1"),
-           "SLURM_RESTART_COUNT": "1"}
+    raw = {**batch_env(ntasks=ntasks, nodes=1, nodelist="gpu-a007", tasks_per_node="1"), "SLURM_RESTART_COUNT": "1"}
     env = DistEnv.from_environ(raw)
     assert (env.launcher, env.rank, env.world_size) == ("single", 0, 1)
     assert env.job_id == "4242" and env.slurm_job_ref == "4242" and env.restart_count == 1
@@ -185,8 +222,10 @@ def test_one_task_batch_script_is_single_with_job(ntasks: int | None) -> None:
 
 def test_array_tasks() -> None:
     def env(task: str, procid: int) -> DistEnv:
-        return DistEnv.from_environ(srun_env(procid, job_id=str(200 + int(task)),
-                                             SLURM_ARRAY_JOB_ID="123", SLURM_ARRAY_TASK_ID=task))
+        return DistEnv.from_environ(
+            srun_env(procid, job_id=str(200 + int(task)), SLURM_ARRAY_JOB_ID="123", SLURM_ARRAY_TASK_ID=task)
+        )
+
     four = [env("4", procid) for procid in range(8)]
     assert {e.slurm_job_ref for e in four} == {"123_4"}
     assert {e.master_port for e in four} == {derive_port("123", "4")}
@@ -199,29 +238,34 @@ def test_master_addr_and_port_from_environment_win() -> None:
     assert (env.master_addr, env.master_port) == ("head.example", 31000)
 
 
-@pytest.mark.parametrize(("raw", "pattern"), [
-    ({"RANK": "0"}, r"WORLD_SIZE"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, r"LOCAL_RANK.*missing"),
-    (torchrun_env(4, nodes=1, per_node=4), r"RANK=4 but WORLD_SIZE=4"),
-    (torchrun_env(0, nodes=1, per_node=2, LOCAL_RANK="2"), r"LOCAL_RANK=2 but LOCAL_WORLD_SIZE=2"),
-    (torchrun_env(0, nodes=1, per_node=2, GROUP_RANK="1"), r"GROUP_RANK=1 but GROUP_WORLD_SIZE=1"),
-    (torchrun_env(0, nodes=1, per_node=2, RANK="one"), r"RANK='one' is not an integer"),
-    (torchrun_env(0, nodes=1, per_node=2, WORLD_SIZE="0"), r"WORLD_SIZE='0'"),
-    (torchrun_env(0, nodes=1, per_node=2, MASTER_PORT="70000"), r"MASTER_PORT=70000"),
-    (torchrun_env(0, nodes=1, per_node=2, MASTER_PORT="http"), r"MASTER_PORT='http'"),
-    ({k: v for k, v in torchrun_env(0, 1, 2).items() if k != "MASTER_PORT"}, r"MASTER_PORT is not set"),
-    (srun_env(5, SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="1(x4)"),
-     r"SLURM_PROCID=5 but SLURM_STEP_NUM_TASKS=4"),
-    (srun_env(0, SLURM_NODEID="4"), r"SLURM_NODEID=4 but SLURM_STEP_NUM_NODES=4"),
-    (srun_env(0, SLURM_LOCALID="2"), r"SLURM_LOCALID=2 but SLURM_STEP_TASKS_PER_NODE\[0\]=2"),
-    (srun_env(0, SLURM_STEP_TASKS_PER_NODE="2(x3)"), r"SLURM_STEP_TASKS_PER_NODE='2\(x3\)' disagrees"),
-    (srun_env(0, SLURM_STEP_TASKS_PER_NODE="2x4"), r"SLURM_STEP_TASKS_PER_NODE='2x4' is not"),
-    (srun_env(0, SLURM_PROCID="x"), r"SLURM_PROCID='x' is not an integer"),
-    (srun_env(0, SLURM_STEP_ID="x"), r"SLURM_STEP_ID='x' is not an integer"),
-    ({k: v for k, v in srun_env(0).items() if k != "SLURM_LOCALID"}, r"SLURM_LOCALID is not set"),
-    (srun_env(0, SLURM_STEP_NODELIST="gpu-a[001-004"), r"'gpu-a\[001-004'"),
-    (srun_env(0, SLURM_CPUS_PER_TASK="0"), r"SLURM_CPUS_PER_TASK='0'"),
-])
+@pytest.mark.parametrize(
+    ("raw", "pattern"),
+    [
+        ({"RANK": "0"}, r"WORLD_SIZE"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, r"LOCAL_RANK.*missing"),
+        (torchrun_env(4, nodes=1, per_node=4), r"RANK=4 but WORLD_SIZE=4"),
+        (torchrun_env(0, nodes=1, per_node=2, LOCAL_RANK="2"), r"LOCAL_RANK=2 but LOCAL_WORLD_SIZE=2"),
+        (torchrun_env(0, nodes=1, per_node=2, GROUP_RANK="1"), r"GROUP_RANK=1 but GROUP_WORLD_SIZE=1"),
+        (torchrun_env(0, nodes=1, per_node=2, RANK="one"), r"RANK='one' is not an integer"),
+        (torchrun_env(0, nodes=1, per_node=2, WORLD_SIZE="0"), r"WORLD_SIZE='0'"),
+        (torchrun_env(0, nodes=1, per_node=2, MASTER_PORT="70000"), r"MASTER_PORT=70000"),
+        (torchrun_env(0, nodes=1, per_node=2, MASTER_PORT="http"), r"MASTER_PORT='http'"),
+        ({k: v for k, v in torchrun_env(0, 1, 2).items() if k != "MASTER_PORT"}, r"MASTER_PORT is not set"),
+        (
+            srun_env(5, SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="1(x4)"),
+            r"SLURM_PROCID=5 but SLURM_STEP_NUM_TASKS=4",
+        ),
+        (srun_env(0, SLURM_NODEID="4"), r"SLURM_NODEID=4 but SLURM_STEP_NUM_NODES=4"),
+        (srun_env(0, SLURM_LOCALID="2"), r"SLURM_LOCALID=2 but SLURM_STEP_TASKS_PER_NODE\[0\]=2"),
+        (srun_env(0, SLURM_STEP_TASKS_PER_NODE="2(x3)"), r"SLURM_STEP_TASKS_PER_NODE='2\(x3\)' disagrees"),
+        (srun_env(0, SLURM_STEP_TASKS_PER_NODE="2x4"), r"SLURM_STEP_TASKS_PER_NODE='2x4' is not"),
+        (srun_env(0, SLURM_PROCID="x"), r"SLURM_PROCID='x' is not an integer"),
+        (srun_env(0, SLURM_STEP_ID="x"), r"SLURM_STEP_ID='x' is not an integer"),
+        ({k: v for k, v in srun_env(0).items() if k != "SLURM_LOCALID"}, r"SLURM_LOCALID is not set"),
+        (srun_env(0, SLURM_STEP_NODELIST="gpu-a[001-004"), r"'gpu-a\[001-004'"),
+        (srun_env(0, SLURM_CPUS_PER_TASK="0"), r"SLURM_CPUS_PER_TASK='0'"),
+    ],
+)
 def test_partial_or_contradictory_environment(raw: dict[str, str], pattern: str) -> None:
     with pytest.raises(BootstrapError, match=pattern):
         DistEnv.from_environ(raw)
@@ -250,8 +294,24 @@ HOSTLISTS: list[tuple[str, list[str]]] = [
     ("n1,n2 n3", ["n1", "n2", "n3"]),
     ("node-1.cluster.example,node-2.cluster.example", ["node-1.cluster.example", "node-2.cluster.example"]),
 ]
-BAD_HOSTLISTS = ["[", "a[", "a[1-2", "a]", "a[1-2]]", "a[[1]]", "a[5-3]", "", " ", ",", "a[1-3:2]",
-                 "a[]", "a[1-2]b", "a[x-y]", "a[1-2,]", "a[-1]"]
+BAD_HOSTLISTS = [
+    "[",
+    "a[",
+    "a[1-2",
+    "a]",
+    "a[1-2]]",
+    "a[[1]]",
+    "a[5-3]",
+    "",
+    " ",
+    ",",
+    "a[1-3:2]",
+    "a[]",
+    "a[1-2]b",
+    "a[x-y]",
+    "a[1-2,]",
+    "a[-1]",
+]
 # Inputs scontrol itself reports as "Invalid hostlist" (others it mangles, e.g. "a[" -> "a]").
 SCONTROL_INVALID = ["a[5-3]", "a[1-3:2]", "a[]", "a[1-2]b", "a[[1]]", "a[x-y]", "a[1-2,]", "a[-1]"]
 
@@ -277,14 +337,17 @@ def scontrol(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], subpro
             pytest.fail("scontrol is not installed, but CI=true requires comparing with it")
         pytest.skip("scontrol is not installed")
     conf = tmp_path_factory.mktemp("slurm") / "slurm.conf"
-    conf.write_text("ClusterName=hostlist\nSlurmctldHost=localhost\n"
-                    "NodeName=localhost CPUs=1 State=UNKNOWN\n"
-                    "PartitionName=debug Nodes=localhost Default=YES\n")
+    conf.write_text(
+        "ClusterName=hostlist\nSlurmctldHost=localhost\n"
+        "NodeName=localhost CPUs=1 State=UNKNOWN\n"
+        "PartitionName=debug Nodes=localhost Default=YES\n"
+    )
     environ = {**os.environ, "SLURM_CONF": str(conf)}
 
     def run(text: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([exe, "show", "hostnames", text], env=environ, check=False,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [exe, "show", "hostnames", text], env=environ, check=False, capture_output=True, text=True, timeout=60
+        )
 
     probe = run("probe[1-2]")
     if probe.stdout.split() != ["probe1", "probe2"]:
@@ -296,14 +359,16 @@ def scontrol(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], subpro
 
 
 @pytest.mark.parametrize(("text", "expected"), HOSTLISTS)
-def test_expand_hostlist_matches_scontrol(scontrol: Callable[[str], subprocess.CompletedProcess[str]],
-                                          text: str, expected: list[str]) -> None:
+def test_expand_hostlist_matches_scontrol(
+    scontrol: Callable[[str], subprocess.CompletedProcess[str]], text: str, expected: list[str]
+) -> None:
     assert expand_hostlist(text) == scontrol(text).stdout.split()
 
 
 @pytest.mark.parametrize("text", SCONTROL_INVALID)
-def test_scontrol_rejects_what_we_reject(scontrol: Callable[[str], subprocess.CompletedProcess[str]],
-                                         text: str) -> None:
+def test_scontrol_rejects_what_we_reject(
+    scontrol: Callable[[str], subprocess.CompletedProcess[str]], text: str
+) -> None:
     result = scontrol(text)
     assert "Invalid hostlist" in result.stdout + result.stderr
     with pytest.raises(BootstrapError):
@@ -321,9 +386,14 @@ def test_derive_port_range_and_spread() -> None:
 def test_derive_port_is_deterministic_across_processes() -> None:
     code = "from ddp_slurm.bootstrap import derive_port; print(derive_port('98765', '3'))"
     seen = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       cwd=REPO_ROOT, env={**os.environ, "PYTHONHASHSEED": seed,
-                                           "PYTHONPATH": str(REPO_ROOT)}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)},
+        ).stdout.strip()
         for seed in ("1", "2")
     }
     assert seen == {str(derive_port("98765", "3"))}
@@ -361,9 +431,9 @@ def test_threads_share_the_cpus(threads_set: list[int], per_node: int, expected:
 
 
 @pytest.mark.parametrize(("affinity", "expected"), [(16, 8), (4, 4), (1, 1)])
-def test_threads_in_srun_step_without_cpus_per_task(threads_set: list[int],
-                                                    monkeypatch: pytest.MonkeyPatch,
-                                                    affinity: int, expected: int) -> None:
+def test_threads_in_srun_step_without_cpus_per_task(
+    threads_set: list[int], monkeypatch: pytest.MonkeyPatch, affinity: int, expected: int
+) -> None:
     # 16 CPUs on the node for 2 tasks: unbound tasks see all 16, bound ones only their share.
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
     env = DistEnv.from_environ(srun_env(1))
@@ -377,12 +447,15 @@ def test_rendezvous_error_messages() -> None:
         return str(bootstrap._rendezvous_error(env, 5.0, RuntimeError(text)))
 
     assert message("Timed out after 6 seconds waiting for clients. 3/4 clients joined.") == (
-        "rank 1: rendezvous at head:29500 timed out after 5 s: expected 4 ranks, 3 arrived")
+        "rank 1: rendezvous at head:29500 timed out after 5 s: expected 4 ranks, 3 arrived"
+    )
     assert "GLOO_SOCKET_IFNAME" in message(
         "[../gloo/transport/tcp/pair.cc:144] connectFullMesh failed: remote=[127.0.1.1]:4242, "
-        "Connection refused\nmore lines")
+        "Connection refused\nmore lines"
+    )
     assert message("something else\nwith a trace") == (
-        "rank 1: rendezvous at head:29500 (expected 4 ranks) failed: something else")
+        "rank 1: rendezvous at head:29500 (expected 4 ranks) failed: something else"
+    )
 
 
 # ------------------------------------------------------------------- device and backend
@@ -403,8 +476,9 @@ def test_unknown_backend_rejected() -> None:
 
 
 @pytest.mark.parametrize(("count", "local_rank", "index"), [(1, 3, 0), (4, 3, 3), (2, 3, 1)])
-def test_gpu_index_never_touches_visible_devices(monkeypatch: pytest.MonkeyPatch, count: int,
-                                                 local_rank: int, index: int) -> None:
+def test_gpu_index_never_touches_visible_devices(
+    monkeypatch: pytest.MonkeyPatch, count: int, local_rank: int, index: int
+) -> None:
     torch = pytest.importorskip("torch")
     chosen: list[object] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -428,25 +502,36 @@ def loopback_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     addresses = {"box": "127.0.1.1", "head": "10.1.2.3", "localhost": "127.0.0.1"}
     monkeypatch.setattr(socket, "gethostname", lambda: "box")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: addresses[name])
-    monkeypatch.setattr(bootstrap, "route_ifname", lambda addr: "eth7")
+    monkeypatch.setattr(group, "route_ifname", lambda addr: "eth7")
     yield addresses
 
 
 def _env(master_addr: str = "head", world_size: int = 4) -> DistEnv:
-    return DistEnv(rank=1, local_rank=1, world_size=world_size, local_world_size=2, node_rank=0,
-                   num_nodes=2, master_addr=master_addr, master_port=29500, job_id=None,
-                   restart_count=0, launcher="torchrun")
+    return DistEnv(
+        rank=1,
+        local_rank=1,
+        world_size=world_size,
+        local_world_size=2,
+        node_rank=0,
+        num_nodes=2,
+        master_addr=master_addr,
+        master_port=29500,
+        job_id=None,
+        restart_count=0,
+        launcher="torchrun",
+    )
 
 
 def test_fix_loopback_sets_ifnames(loopback_host: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
     environ: dict[str, str] = {}
-    with caplog.at_level(logging.INFO, logger="ddp_slurm.bootstrap"):
+    with caplog.at_level(logging.INFO, logger="ddp_slurm.dist.group"):
         assert bootstrap.fix_loopback_ifname(_env(), environ) == "eth7"
         assert bootstrap.fix_loopback_ifname(_env(), environ) is None  # already done
     assert environ == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "eth7"}
     assert [r.getMessage() for r in caplog.records if "GLOO_SOCKET_IFNAME" in r.getMessage()] == [
         "host name box resolves to loopback: set GLOO_SOCKET_IFNAME=eth7 (the interface "
-        "routing to head) so peers do not dial 127.0.0.1"]
+        "routing to head) so peers do not dial 127.0.0.1"
+    ]
 
 
 def test_fix_loopback_keeps_user_settings(loopback_host: dict[str, str]) -> None:
@@ -528,15 +613,41 @@ def free_port() -> int:
 def spawn(rank: int, world_size: int, port: int, timeout_s: float = 5.0) -> subprocess.Popen[str]:
     """Start one torchrun-style rank on 127.0.0.1 in a clean environment."""
     pytest.importorskip("torch")
-    environ = {k: v for k, v in os.environ.items()
-               if not k.startswith(("SLURM_", "TORCHELASTIC_", "GLOO_", "NCCL_"))
-               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                             "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
-    return subprocess.Popen([sys.executable, "-c", WORKER, str(timeout_s)], cwd=REPO_ROOT,
-                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "GLOO_", "NCCL_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    }
+    environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=str(REPO_ROOT),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(timeout_s)],
+        cwd=REPO_ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen[str], limit_s: float = 180.0) -> tuple[int, str]:

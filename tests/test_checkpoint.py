@@ -4,6 +4,7 @@ The damaged files are made the way they happen in practice (a write cut short, a
 tensor data, an empty file, somebody else's pickle) and ``latest`` must skip each one with a warning
 that names it, falling back to the newest checkpoint that is intact.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_slurm import checkpoint, config, engine, models, train
+from ddp_slurm import config
 from ddp_slurm.bootstrap import DistEnv
+from ddp_slurm.tasks.mnist import models
+from ddp_slurm.train import checkpoint
+from ddp_slurm.train import loop as train
+from ddp_slurm.train import step as engine
 
 
 def make_state(step: int, seed: int = 0) -> dict[str, Any]:
@@ -34,9 +39,17 @@ def make_state(step: int, seed: int = 0) -> dict[str, Any]:
     model(torch.randn(8, 1, 28, 28)).sum().backward()
     optimizer.step()
     scheduler.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "step": step, "epoch": 0, "samples_in_epoch": step * 64, "finished": False,
-            "rng": {"torch": torch.get_rng_state()}, "config": cfg.to_dict()}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "step": step,
+        "epoch": 0,
+        "samples_in_epoch": step * 64,
+        "finished": False,
+        "rng": {"torch": torch.get_rng_state()},
+        "config": cfg.to_dict(),
+    }
 
 
 def assert_same_tensors(a: Any, b: Any) -> None:
@@ -105,8 +118,9 @@ def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
         scheduler = engine.make_scheduler(cfg.train, optimizer, 10)
         ddp(torch.randn(4, 1, 28, 28)).sum().backward()
         optimizer.step()
-        train.save_checkpoint(cfg, env, model, optimizer, scheduler, train.Position(step=7), False,
-                              torch.device("cpu"), time.monotonic())
+        train.save_checkpoint(
+            cfg, env, model, optimizer, scheduler, train.Position(step=7), False, torch.device("cpu"), time.monotonic()
+        )
     finally:
         dist.destroy_process_group()
     state = checkpoint.load_latest(cfg.run_dir)
@@ -135,7 +149,7 @@ def test_pickle_with_code_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFi
     torch.save(evil, bad)
     with pytest.raises(ValueError, match="unreadable"):
         checkpoint.load(bad)
-    with caplog.at_level(logging.WARNING, logger="ddp_slurm.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ddp_slurm.train.checkpoint"):
         path, state = checkpoint.latest(tmp_path)
     assert path == good and state["step"] == 10
     assert "step-20.pt" in caplog.text
@@ -164,13 +178,18 @@ def damage_not_a_checkpoint(path: Path) -> None:
     torch.save({"weights": torch.zeros(3), "note": "some other program's file"}, path)
 
 
-DAMAGES = {"truncated": damage_truncate, "bit-flip": damage_flip_bit_in_tensor_data, "empty": damage_empty,
-           "not-a-checkpoint": damage_not_a_checkpoint}
+DAMAGES = {
+    "truncated": damage_truncate,
+    "bit-flip": damage_flip_bit_in_tensor_data,
+    "empty": damage_empty,
+    "not-a-checkpoint": damage_not_a_checkpoint,
+}
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_unusable_newest_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                   damage: str) -> None:
+def test_unusable_newest_is_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
     state = make_state(step=0)
     for step in (10, 20, 30):
         checkpoint.save(tmp_path, dict(state, step=step), keep=5)
@@ -178,7 +197,7 @@ def test_unusable_newest_is_skipped_with_a_warning(tmp_path: Path, caplog: pytes
     DAMAGES[damage](newest)
     with pytest.raises(ValueError):
         checkpoint.load(newest)
-    with caplog.at_level(logging.WARNING, logger="ddp_slurm.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ddp_slurm.train.checkpoint"):
         path, loaded = checkpoint.latest(tmp_path)
         via_contract = checkpoint.load_latest(tmp_path)
     assert path.name == "step-20.pt" and loaded["step"] == 20 and via_contract["step"] == 20
@@ -232,7 +251,7 @@ WRITE_UNDER_FILE_SIZE_LIMIT = """
 import resource, sys
 from pathlib import Path
 import torch
-from ddp_slurm import checkpoint
+from ddp_slurm.train import checkpoint
 run_dir = Path(sys.argv[1])
 state = checkpoint.load_latest(run_dir)
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # writes past 100 kB fail with EFBIG
@@ -250,8 +269,9 @@ def test_failed_write_keeps_previous_and_leaves_no_temporary(tmp_path: Path) -> 
     the previous checkpoint intact and still the latest, no temporary file left, nothing pruned."""
     good = checkpoint.save(tmp_path, make_state(step=10), keep=1)
     assert good.stat().st_size > 100_000
-    res = subprocess.run([sys.executable, "-c", WRITE_UNDER_FILE_SIZE_LIMIT, str(tmp_path)], capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", WRITE_UNDER_FILE_SIZE_LIMIT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     message = res.stdout.strip()
     assert "step-20.pt" in message and "previous checkpoints are intact" in message and "\n" not in message

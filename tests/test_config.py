@@ -4,6 +4,7 @@ Most error cases run in-process through ``config.load`` (cheap); a representativ
 ``python -m ddp_slurm.train`` processes to check what users see: exit 2, exactly one line on
 stderr, and no run directory created.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, Launcher, base_env
+
 from ddp_slurm import config
 from ddp_slurm.config import Config, ConfigError
 
@@ -65,19 +66,22 @@ def test_every_field_has_a_docstring() -> None:
             assert f"{cls.__name__}.{f.name}" in documented, f"{section.name}.{f.name} has no docstring"
 
 
-@pytest.mark.parametrize("override, key, expected", [
-    ("train.epochs=3", ("train", "epochs"), 3),
-    ("train.lr=1e-3", ("train", "lr"), 0.001),  # YAML 1.1 reads 1e-3 as a string; it is the number meant
-    ("train.lr=0.5", ("train", "lr"), 0.5),
-    ("train.lr=2", ("train", "lr"), 2.0),  # int -> float is lossless
-    ("train.max_steps=null", ("train", "max_steps"), None),
-    ("train.max_steps=50", ("train", "max_steps"), 50),
-    ("data.source=sample", ("data", "source"), "sample"),
-    ("data.download=false", ("data", "download"), False),
-    ("model.name=mlp", ("model", "name"), "mlp"),
-    ("run.name=my-run_2", ("run", "name"), "my-run_2"),
-    ("slurm.partition=gpu", ("slurm", "partition"), "gpu"),
-])
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ("train.epochs=3", ("train", "epochs"), 3),
+        ("train.lr=1e-3", ("train", "lr"), 0.001),  # YAML 1.1 reads 1e-3 as a string; it is the number meant
+        ("train.lr=0.5", ("train", "lr"), 0.5),
+        ("train.lr=2", ("train", "lr"), 2.0),  # int -> float is lossless
+        ("train.max_steps=null", ("train", "max_steps"), None),
+        ("train.max_steps=50", ("train", "max_steps"), 50),
+        ("data.source=sample", ("data", "source"), "sample"),
+        ("data.download=false", ("data", "download"), False),
+        ("model.name=mlp", ("model", "name"), "mlp"),
+        ("run.name=my-run_2", ("run", "name"), "my-run_2"),
+        ("slurm.partition=gpu", ("slurm", "partition"), "gpu"),
+    ],
+)
 def test_override_values_are_yaml_scalars(override: str, key: tuple[str, str], expected: object) -> None:
     cfg = config.load(None, [override])
     value = getattr(getattr(cfg, key[0]), key[1])
@@ -110,47 +114,53 @@ def _error(path: Path | None = None, overrides: tuple[str, ...] = ()) -> str:
     return message
 
 
-@pytest.mark.parametrize("override, must_say", [
-    ("train.epoch=3", ["'train.epoch'", "the command line", "did you mean", "train.epochs"]),
-    ("train.learning_rate=0.1", ["'train.learning_rate'", "the command line"]),
-    ("trian.epochs=3", ["'trian'", "the command line", "did you mean", "train.epochs"]),
-    ("bogus.key=1", ["'bogus'", "section", "the command line", "train"]),
-    ("train.epochs=abc", ["train.epochs", "the command line", "an integer", "'abc'"]),
-    ("train.epochs=2.5", ["train.epochs", "the command line", "an integer", "2.5"]),
-    ("train.epochs=true", ["train.epochs", "the command line", "an integer"]),
-    ("data.download=maybe", ["data.download", "the command line", "true or false", "maybe"]),
-    ("train.lr=fast", ["train.lr", "the command line", "a number", "fast"]),
-    ("train.epochs=0", ["train.epochs", "the command line", ">= 1", "0"]),
-    ("train.global_batch_size=-1", ["train.global_batch_size", "the command line", ">= 1", "-1"]),
-    ("train.lr=0", ["train.lr", "the command line", "> 0"]),
-    ("train.max_steps=0", ["train.max_steps", "the command line", "null or an integer >= 1"]),
-    ("checkpoint.keep=0", ["checkpoint.keep", "the command line", ">= 1"]),
-    ("model.name=resnet", ["model.name", "the command line", "'mlp'", "'cnn'", "resnet"]),
-    ("data.source=cifar", ["data.source", "the command line", "'sample'", "'mnist'", "cifar"]),
-    ("run.name=a/b", ["run.name", "the command line", "without '/'"]),
-    ("dist.backend=mpi", ["dist.backend", "the command line", "'gloo'"]),
-    ("train.epochs", ["bad override", "'train.epochs'", "KEY=VALUE"]),
-    ("epochs=3", ["bad override", "'epochs=3'", "dotted"]),
-    ("train.epochs=[1, 2]", ["bad override", "scalar"]),
-])
+@pytest.mark.parametrize(
+    "override, must_say",
+    [
+        ("train.epoch=3", ["'train.epoch'", "the command line", "did you mean", "train.epochs"]),
+        ("train.learning_rate=0.1", ["'train.learning_rate'", "the command line"]),
+        ("trian.epochs=3", ["'trian'", "the command line", "did you mean", "train.epochs"]),
+        ("bogus.key=1", ["'bogus'", "section", "the command line", "train"]),
+        ("train.epochs=abc", ["train.epochs", "the command line", "an integer", "'abc'"]),
+        ("train.epochs=2.5", ["train.epochs", "the command line", "an integer", "2.5"]),
+        ("train.epochs=true", ["train.epochs", "the command line", "an integer"]),
+        ("data.download=maybe", ["data.download", "the command line", "true or false", "maybe"]),
+        ("train.lr=fast", ["train.lr", "the command line", "a number", "fast"]),
+        ("train.epochs=0", ["train.epochs", "the command line", ">= 1", "0"]),
+        ("train.global_batch_size=-1", ["train.global_batch_size", "the command line", ">= 1", "-1"]),
+        ("train.lr=0", ["train.lr", "the command line", "> 0"]),
+        ("train.max_steps=0", ["train.max_steps", "the command line", "null or an integer >= 1"]),
+        ("checkpoint.keep=0", ["checkpoint.keep", "the command line", ">= 1"]),
+        ("model.name=resnet", ["model.name", "the command line", "'mlp'", "'cnn'", "resnet"]),
+        ("data.source=cifar", ["data.source", "the command line", "'sample'", "'mnist'", "cifar"]),
+        ("run.name=a/b", ["run.name", "the command line", "without '/'"]),
+        ("dist.backend=mpi", ["dist.backend", "the command line", "'gloo'"]),
+        ("train.epochs", ["bad override", "'train.epochs'", "KEY=VALUE"]),
+        ("epochs=3", ["bad override", "'epochs=3'", "dotted"]),
+        ("train.epochs=[1, 2]", ["bad override", "scalar"]),
+    ],
+)
 def test_bad_override(override: str, must_say: list[str]) -> None:
     message = _error(overrides=(override,))
     for text in must_say:
         assert text in message, f"{text!r} missing from {message!r}"
 
 
-@pytest.mark.parametrize("body, must_say", [
-    ("train:\n  epoch: 3\n", ["'train.epoch'", "did you mean", "train.epochs"]),
-    ("trainn:\n  epochs: 3\n", ["'trainn'", "did you mean", "train.epochs"]),
-    ("optimizer:\n  lr: 3\n", ["'optimizer'", "section"]),
-    ("train:\n  epochs: three\n", ["train.epochs", "an integer", "three"]),
-    ("train:\n  epochs: 0\n", ["train.epochs", ">= 1"]),
-    ("checkpoint:\n  keep: 0\n", ["checkpoint.keep", ">= 1"]),
-    ("model:\n  name: resnet\n", ["model.name", "'cnn'", "resnet"]),
-    ("train: 3\n", ["'train'", "a mapping of keys"]),
-    ("- run\n- train\n", ["a mapping of sections", "list"]),
-    ("just a string\n", ["a mapping of sections", "str"]),
-])
+@pytest.mark.parametrize(
+    "body, must_say",
+    [
+        ("train:\n  epoch: 3\n", ["'train.epoch'", "did you mean", "train.epochs"]),
+        ("trainn:\n  epochs: 3\n", ["'trainn'", "did you mean", "train.epochs"]),
+        ("optimizer:\n  lr: 3\n", ["'optimizer'", "section"]),
+        ("train:\n  epochs: three\n", ["train.epochs", "an integer", "three"]),
+        ("train:\n  epochs: 0\n", ["train.epochs", ">= 1"]),
+        ("checkpoint:\n  keep: 0\n", ["checkpoint.keep", ">= 1"]),
+        ("model:\n  name: resnet\n", ["model.name", "'cnn'", "resnet"]),
+        ("train: 3\n", ["'train'", "a mapping of keys"]),
+        ("- run\n- train\n", ["a mapping of sections", "list"]),
+        ("just a string\n", ["a mapping of sections", "str"]),
+    ],
+)
 def test_bad_file_names_key_and_file(tmp_path: Path, body: str, must_say: list[str]) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(body)
@@ -198,8 +208,16 @@ def test_file_error_is_found_before_overrides_are_read(tmp_path: Path) -> None:
 
 
 def test_dump_and_read_resolved_roundtrip(tmp_path: Path) -> None:
-    cfg = config.load(JOBS / "mnist.yaml", ["train.lr=1e-3", "train.max_steps=77", "slurm.partition=gpu",
-                                            "run.name=roundtrip", "slurm.tasks_per_node=null"])
+    cfg = config.load(
+        JOBS / "mnist.yaml",
+        [
+            "train.lr=1e-3",
+            "train.max_steps=77",
+            "slurm.partition=gpu",
+            "run.name=roundtrip",
+            "slurm.tasks_per_node=null",
+        ],
+    )
     path = tmp_path / "config.yaml"
     config.dump(cfg, path)
     assert not list(tmp_path.glob("*.tmp")), "the temporary file of the atomic write was left behind"
@@ -220,8 +238,18 @@ def test_read_resolved_rejects_a_bad_file(tmp_path: Path) -> None:
 def test_incompatible_changes() -> None:
     old = config.load()
     # Keys that change how a run goes, not what it computes, may differ between launches.
-    same = config.load(None, ["checkpoint.every_steps=7", "checkpoint.keep=9", "dist.timeout_s=5", "slurm.nodes=4",
-                              "data.download=false", "train.log_every_steps=3", "run.output_root=elsewhere"])
+    same = config.load(
+        None,
+        [
+            "checkpoint.every_steps=7",
+            "checkpoint.keep=9",
+            "dist.timeout_s=5",
+            "slurm.nodes=4",
+            "data.download=false",
+            "train.log_every_steps=3",
+            "run.output_root=elsewhere",
+        ],
+    )
     assert config.incompatible_changes(old, same) == []
     assert config.incompatible_changes(old, old) == []
     changed = config.load(None, ["train.lr=0.1", "model.name=mlp", "run.seed=5"])
@@ -247,16 +275,19 @@ def _assert_usage_error(res, launcher: Launcher, *must_say: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, must_say", [
-    (["train.epoch=3"], ["train.epoch", "the command line", "did you mean", "train.epochs"]),
-    (["train.epochs=abc"], ["train.epochs", "the command line", "an integer"]),
-    (["data.download=maybe"], ["data.download", "the command line", "true or false"]),
-    (["train.epochs=0", "model.name=mlp"], ["train.epochs", "the command line", ">= 1"]),
-    (["model.name=resnet"], ["model.name", "the command line", "'mlp'"]),
-    (["notakeyvalue"], ["bad override", "KEY=VALUE"]),
-    (["--config", "missing.yaml"], ["missing.yaml", "not found"]),
-    (["train.global_batch_size=6000"], ["train.global_batch_size", "6000", "5000"]),
-])
+@pytest.mark.parametrize(
+    "args, must_say",
+    [
+        (["train.epoch=3"], ["train.epoch", "the command line", "did you mean", "train.epochs"]),
+        (["train.epochs=abc"], ["train.epochs", "the command line", "an integer"]),
+        (["data.download=maybe"], ["data.download", "the command line", "true or false"]),
+        (["train.epochs=0", "model.name=mlp"], ["train.epochs", "the command line", ">= 1"]),
+        (["model.name=resnet"], ["model.name", "the command line", "'mlp'"]),
+        (["notakeyvalue"], ["bad override", "KEY=VALUE"]),
+        (["--config", "missing.yaml"], ["missing.yaml", "not found"]),
+        (["train.global_batch_size=6000"], ["train.global_batch_size", "6000", "5000"]),
+    ],
+)
 def test_cli_usage_errors(launcher: Launcher, args: list[str], must_say: list[str]) -> None:
     res = launcher.run(launcher.cmd_train(*args), timeout=300)
     _assert_usage_error(res, launcher, "ddp_slurm.train: error:", *must_say)
@@ -285,11 +316,24 @@ def test_batch_not_divisible_refused_by_every_rank(launcher: Launcher) -> None:
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
-        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen(launcher.cmd_train("train.global_batch_size=127", "model.name=mlp"),
-                                      cwd=launcher.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        env = base_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                launcher.cmd_train("train.global_batch_size=127", "model.name=mlp"),
+                cwd=launcher.cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -4,6 +4,7 @@ Distributed evaluation runs in real processes joined by a gloo process group; th
 cases point urllib at a closed local port (or at a local server that never answers), so they behave
 the same on a machine with internet.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import base_env
-from ddp_slurm import data, engine, models
+
 from ddp_slurm.config import TrainConfig
-from ddp_slurm.data import DataError
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.tasks.mnist.data import DataError
+from ddp_slurm.train import step as engine
 
 SAMPLE_DIR = Path(str(resources.files("ddp_slurm") / "assets" / "mnist-sample"))
 
@@ -73,8 +75,12 @@ def test_epoch_permutation_is_a_pure_function_of_seed_and_epoch() -> None:
     a = data.epoch_permutation(5000, seed=3, epoch=2)
     assert torch.equal(a, data.epoch_permutation(5000, seed=3, epoch=2))
     assert torch.equal(a.sort().values, torch.arange(5000))  # a permutation
-    others = [data.epoch_permutation(5000, 3, 0), data.epoch_permutation(5000, 3, 1),
-              data.epoch_permutation(5000, 3, 3), data.epoch_permutation(5000, 4, 2)]
+    others = [
+        data.epoch_permutation(5000, 3, 0),
+        data.epoch_permutation(5000, 3, 1),
+        data.epoch_permutation(5000, 3, 3),
+        data.epoch_permutation(5000, 4, 2),
+    ]
     for other in others:
         assert not torch.equal(a, other)
     # seed and epoch must not collide the easy way (seed 0 epoch 1 vs seed 1 epoch 0)
@@ -100,13 +106,15 @@ def test_sharding_is_disjoint_complete_and_deterministic(num_samples: int, globa
         parts = [data.rank_batch(perm, step, global_batch, rank, world_size) for rank in range(world_size)]
         assert all(len(p) == global_batch // world_size for p in parts)
         # the ranks together take exactly this step's global batch, in order, each its own part
-        assert torch.equal(torch.cat(parts), perm[step * global_batch:(step + 1) * global_batch])
+        assert torch.equal(torch.cat(parts), perm[step * global_batch : (step + 1) * global_batch])
         # the same call again (another rank, a restarted job) gives the same indices
-        assert all(torch.equal(p, data.rank_batch(perm, step, global_batch, r, world_size)) for r, p in enumerate(parts))
+        assert all(
+            torch.equal(p, data.rank_batch(perm, step, global_batch, r, world_size)) for r, p in enumerate(parts)
+        )
         for p in parts:
             seen += p.tolist()
     assert len(seen) == len(set(seen)) == steps * global_batch  # disjoint over ranks and steps
-    assert sorted(seen) == sorted(perm[:steps * global_batch].tolist())  # complete over full global batches
+    assert sorted(seen) == sorted(perm[: steps * global_batch].tolist())  # complete over full global batches
 
 
 def test_global_batch_is_the_same_whatever_the_world_size() -> None:
@@ -134,7 +142,9 @@ EVAL_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
     import torch.distributed as dist
-    from ddp_slurm import data, engine, models
+    from ddp_slurm.tasks.mnist import data
+    from ddp_slurm.train import step as engine
+    from ddp_slurm.tasks.mnist import models
 
     rank, world_size, store, weights, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
@@ -183,11 +193,15 @@ def test_distributed_evaluation_is_exact(tmp_path: Path, sample_train: data.Spli
             out = tmp_path / f"out-{world_size}-{rank}.json"
             procs[world_size, rank] = subprocess.Popen(
                 [sys.executable, str(script), str(rank), str(world_size), str(store), str(weights), str(out)],
-                env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                env=base_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
     for key, proc in procs.items():
         output, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"world {key[0]} rank {key[1]} failed:\n{output}"
-    for (world_size, rank) in procs:
+    for world_size, rank in procs:
         result = json.loads((tmp_path / f"out-{world_size}-{rank}.json").read_text())
         # every rank gets the all-reduced totals: each test image counted exactly once
         assert result["images"] == 5000, (world_size, rank, result)
@@ -195,8 +209,9 @@ def test_distributed_evaluation_is_exact(tmp_path: Path, sample_train: data.Spli
         assert result["loss"] == pytest.approx(reference[2], rel=1e-5), (world_size, rank, result, reference)
 
 
-def test_evaluation_does_not_depend_on_how_the_test_set_is_cut(sample_train: data.Split,
-                                                                 sample_test: data.Split) -> None:
+def test_evaluation_does_not_depend_on_how_the_test_set_is_cut(
+    sample_train: data.Split, sample_test: data.Split
+) -> None:
     """Ranks evaluate shards of unequal size: with batch norm in training mode the answer would depend
     on the cut. Two uneven pieces must add up to the whole, and the model's mode must be handed back."""
     model = _trained("cnn", sample_train, steps=8)
@@ -269,9 +284,22 @@ def test_full_mnist_is_read_with_torchvision(tmp_path: Path, sample_train: data.
 def test_train_with_missing_mnist_and_download_off(tmp_path: Path) -> None:
     """As a real process: one error line naming the directory and the download command, exit 1."""
     root = tmp_path / "nowhere"
-    res = subprocess.run([sys.executable, "-m", "ddp_slurm.train", "data.source=mnist", f"data.root={root}",
-                          "data.download=false", "model.name=mlp"], cwd=tmp_path, env=base_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddp_slurm.train",
+            "data.source=mnist",
+            f"data.root={root}",
+            "data.download=false",
+            "model.name=mlp",
+        ],
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 1, res.stderr
     errors = [line for line in res.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1, res.stderr
@@ -282,9 +310,22 @@ def test_train_with_missing_mnist_and_download_off(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_train_with_download_on_and_no_network(tmp_path: Path) -> None:
     root = tmp_path / "mnist-root"
-    res = subprocess.run([sys.executable, "-m", "ddp_slurm.train", "data.source=mnist", f"data.root={root}",
-                          "data.download=true", "model.name=mlp"], cwd=tmp_path, env=_offline_env(_closed_port()),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddp_slurm.train",
+            "data.source=mnist",
+            f"data.root={root}",
+            "data.download=true",
+            "model.name=mlp",
+        ],
+        cwd=tmp_path,
+        env=_offline_env(_closed_port()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 1, res.stderr
     errors = [line for line in res.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1, res.stderr
@@ -295,8 +336,14 @@ def test_train_with_download_on_and_no_network(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_download_command_without_network(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "ddp_slurm.data", "download", "--root", str(tmp_path / "d")],
-                         cwd=tmp_path, env=_offline_env(_closed_port()), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.data", "download", "--root", str(tmp_path / "d")],
+        cwd=tmp_path,
+        env=_offline_env(_closed_port()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
@@ -307,7 +354,7 @@ BLACKHOLE_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
     from torchvision.datasets import MNIST
-    from ddp_slurm import data
+    from ddp_slurm.tasks.mnist import data
 
     MNIST.mirrors = [sys.argv[1]]  # a server that accepts connections and never answers
     try:
@@ -330,8 +377,13 @@ def test_download_gives_up_on_a_server_that_never_answers(tmp_path: Path) -> Non
         server.listen(16)
         url = f"http://127.0.0.1:{server.getsockname()[1]}/"
         env = base_env(no_proxy="*", NO_PROXY="*")
-        res = subprocess.run([sys.executable, str(script), url, str(tmp_path / "d")], env=env, capture_output=True,
-                             text=True, timeout=180)
+        res = subprocess.run(
+            [sys.executable, str(script), url, str(tmp_path / "d")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "failed:" in res.stdout
     assert "\n" not in res.stdout.strip()

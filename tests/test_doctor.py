@@ -3,6 +3,7 @@
 Every fault must end in the rank's own one-line verdict and a non-zero exit, never a hang (the
 subprocess timeouts are generous for a loaded machine; the doctor's own bound is --timeout plus grace).
 """
+
 from __future__ import annotations
 
 import re
@@ -11,9 +12,9 @@ import subprocess
 import sys
 
 import pytest
-
-from ddp_slurm import doctor
 from conftest import base_env
+
+from ddp_slurm.tools import doctor
 
 DOCTOR = [sys.executable, "-m", "ddp_slurm.doctor", "--timeout", "5", "--size-mb", "1", "--iters", "2"]
 WAIT = 300
@@ -21,8 +22,14 @@ WAIT = 300
 
 def rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:
     """The variables torchrun would set for ``rank`` of ``world`` ranks on this one host."""
-    return base_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                    MASTER_ADDR=addr, MASTER_PORT=str(port))
+    return base_env(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
 
 
 def free_port() -> int:
@@ -64,8 +71,10 @@ def test_one_process_is_ok(launcher):
 
 
 def test_torchrun_two_ranks_ok_table(launcher):
-    res = launcher.run(launcher.cmd_torchrun(2, "--timeout", "60", "--size-mb", "1", "--iters", "2",
-                                             module="ddp_slurm.doctor"), timeout=WAIT)
+    res = launcher.run(
+        launcher.cmd_torchrun(2, "--timeout", "60", "--size-mb", "1", "--iters", "2", module="ddp_slurm.doctor"),
+        timeout=WAIT,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("doctor: verdict OK") == 1  # rank 0 alone prints the table and verdict
     assert "2 rank(s) on 1 host(s), launcher torchrun" in res.stdout
@@ -127,8 +136,17 @@ def test_usage_error(launcher):
 
 def _row(rank: int, host: str, node_rank: int, local_rank: int, gpu: str | None = None) -> dict:
     """A gathered report as rank 0 sees it (what measure() and describe() produce)."""
-    return {"rank": rank, "host": host, "node": host, "node_rank": node_rank, "local_rank": local_rank,
-            "world_size": 4, "gpu": gpu, "cuda_count": 1 if gpu else 0, "correct": True}
+    return {
+        "rank": rank,
+        "host": host,
+        "node": host,
+        "node_rank": node_rank,
+        "local_rank": local_rank,
+        "world_size": 4,
+        "gpu": gpu,
+        "cuda_count": 1 if gpu else 0,
+        "correct": True,
+    }
 
 
 def test_cross_checks_find_duplicates_and_shared_gpus():

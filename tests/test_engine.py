@@ -2,6 +2,7 @@
 
 The 2-rank tests run real processes joined over gloo.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import base_env
-from ddp_slurm import data, engine, models
-from ddp_slurm.signals import StopFlag
+
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import step as engine
+from ddp_slurm.train.signals import StopFlag
 
 FINE = torch.tensor(0.5)
 
@@ -54,8 +56,10 @@ TWO_RANKS = textwrap.dedent("""
     import json, sys
     import torch
     import torch.distributed as dist
-    from ddp_slurm import data, engine, models
-    from ddp_slurm.signals import StopFlag
+    from ddp_slurm.tasks.mnist import data
+    from ddp_slurm.train import step as engine
+    from ddp_slurm.tasks.mnist import models
+    from ddp_slurm.train.signals import StopFlag
 
     rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.set_num_threads(1)
@@ -95,10 +99,23 @@ def test_two_ranks_agree_at_the_same_step_and_evaluate_rank_zeros_model(tmp_path
     script = tmp_path / "two.py"
     script.write_text(TWO_RANKS)
     weights = tmp_path / "rank0.pt"
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"),
-                               str(tmp_path / f"out{rank}.json"), str(weights)],
-                              env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(rank),
+                str(tmp_path / "store"),
+                str(tmp_path / f"out{rank}.json"),
+                str(weights),
+            ],
+            env=base_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     for p in procs:
         output, _ = p.communicate(timeout=300)
         assert p.returncode == 0, output
@@ -130,7 +147,7 @@ def test_two_ranks_agree_at_the_same_step_and_evaluate_rank_zeros_model(tmp_path
 def test_small_models_get_two_buckets_large_ones_ddps_defaults() -> None:
     cnn = models.build("cnn")
     cap = engine.bucket_cap_mb(cnn)
-    assert cap == pytest.approx(4 * sum(p.numel() for p in cnn.parameters()) / 2 / 2 ** 20)
+    assert cap == pytest.approx(4 * sum(p.numel() for p in cnn.parameters()) / 2 / 2**20)
     assert engine.bucket_cap_mb(torch.nn.Linear(1024, 1024)) is None  # 4 MiB: DDP already splits it
     frozen = torch.nn.Linear(4, 4).requires_grad_(False)
     assert engine.bucket_cap_mb(frozen) is None

@@ -8,6 +8,7 @@ byte for byte (or superseded by a newer valid one), and at most the steps since 
 are redone. The multi-node versions are in tests/cluster/test_faults_cluster.py; docs/faults.md is
 the table of faults, outcomes and tests (including those that live in other test files).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -21,23 +22,29 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
-
 from conftest import Launcher, base_env, skip_or_fail
-from ddp_slurm import checkpoint, metrics
+
+from ddp_slurm.train import checkpoint, metrics
 
 HOST = socket.gethostname()
 TIMEOUT_S = 600.0  # per process: the machine may be shared and slow; never a timing assertion by itself
 EVERY = 10  # checkpoint.every_steps of the runs below
 # Long enough never to finish during a test (3,900 steps); one metrics row per step, so the last
 # step reached before a fault is on record.
-LONG = ["model.name=mlp", "train.epochs=100", "train.log_every_steps=1", f"checkpoint.every_steps={EVERY}",
-        "checkpoint.keep=3"]
+LONG = [
+    "model.name=mlp",
+    "train.epochs=100",
+    "train.log_every_steps=1",
+    f"checkpoint.every_steps={EVERY}",
+    "checkpoint.keep=3",
+]
 EXIT_STOPPED, EXIT_REQUEUE_CAP = 75, 3
 
 
@@ -45,6 +52,7 @@ EXIT_STOPPED, EXIT_REQUEUE_CAP = 75, 3
 @dataclass
 class Proc:
     """One launched command, its output in a log file, in its own session (killed as a group)."""
+
     popen: subprocess.Popen
     log: Path
 
@@ -76,6 +84,7 @@ class Proc:
 
     def workers(self, count: int) -> dict[int, int]:
         """torchrun's workers: rank -> pid (read from each child's environment)."""
+
         def kids() -> list[int]:
             out: list[int] = []
             for task in Path(f"/proc/{self.pid}/task").iterdir():
@@ -84,7 +93,10 @@ class Proc:
                 except OSError:
                     pass
             return out
-        self.until(f"{count} torchrun workers", lambda: len(kids()) == count and all("RANK" in environ_of(k) for k in kids()))
+
+        self.until(
+            f"{count} torchrun workers", lambda: len(kids()) == count and all("RANK" in environ_of(k) for k in kids())
+        )
         return {int(environ_of(k)["RANK"]): k for k in kids()}
 
 
@@ -146,8 +158,15 @@ def free_port() -> int:
 
 def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     """torchrun's variables set by hand: each rank a separate, directly signalled process."""
-    return base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **extra)
+    return base_env(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        **extra,
+    )
 
 
 # --------------------------------------------------------------------------- run directories
@@ -162,8 +181,10 @@ def last_train_step(run_dir: Path) -> int:
 
 def snapshot(run_dir: Path) -> dict[str, tuple[int, int, str]]:
     """name -> (step, bytes, sha256) of every checkpoint file."""
-    return {p.name: (step, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-            for step, p in checkpoint.list_checkpoints(run_dir)}
+    return {
+        p.name: (step, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+        for step, p in checkpoint.list_checkpoints(run_dir)
+    }
 
 
 def lost_bytes(before: dict[str, tuple[int, int, str]], run_dir: Path) -> int:
@@ -186,8 +207,13 @@ def lost_bytes(before: dict[str, tuple[int, int, str]], run_dir: Path) -> int:
     return lost
 
 
-def record(record_property: Callable[[str, Any], None], before: dict[str, tuple[int, int, str]], run_dir: Path,
-           steps_redone: int, took_s: float | None = None) -> None:
+def record(
+    record_property: Callable[[str, Any], None],
+    before: dict[str, tuple[int, int, str]],
+    run_dir: Path,
+    steps_redone: int,
+    took_s: float | None = None,
+) -> None:
     """The figures of a fault for the report (in the JUnit XML): finished work lost, steps to redo."""
     record_property("lost_bytes", lost_bytes(before, run_dir))
     record_property("checkpoint_bytes_before", sum(size for _, size, _ in before.values()))
@@ -199,9 +225,11 @@ def record(record_property: Callable[[str, Any], None], before: dict[str, tuple[
 def between_checkpoints(run_dir: Path) -> Callable[[], bool]:
     """True once two checkpoints exist and training is a few steps past the newest: the moment to
     inject a fault that costs the steps since the last checkpoint, and nothing else."""
+
     def ready() -> bool:
         saved = checkpoint.list_checkpoints(run_dir)
         return len(saved) >= 2 and last_train_step(run_dir) >= saved[0][0] + 3
+
     return ready
 
 
@@ -250,9 +278,12 @@ def test_rank_killed_mid_step_is_named_and_the_run_resumes(tmp_path: Path, start
     assert code != 0, text
     ours = [line for line in error_lines(text) if "lost rank" in line]
     assert len(ours) == 1, text[-6000:]
-    assert re.search(rf"lost rank 1 \(host {re.escape(HOST)}, pid {victim}\): no heartbeat for \d+ s; "
-                     r"this rank's collective failed with: \S", ours[0]), ours[0]
-    assert "ddp_slurm/train.py" not in text, "the survivor printed a traceback instead of (or besides) its line"
+    assert re.search(
+        rf"lost rank 1 \(host {re.escape(HOST)}, pid {victim}\): no heartbeat for \d+ s; "
+        r"this rank's collective failed with: \S",
+        ours[0],
+    ), ours[0]
+    assert "ddp_slurm/train/" not in text, "the survivor printed a traceback instead of (or besides) its line"
     assert took <= 30 + 30, f"the survivor took {took:.0f} s to exit after the kill (dist.timeout_s=30)"
     assert_nothing_left(tmp_path)
 
@@ -285,8 +316,11 @@ def test_hung_rank_is_named_after_the_collective_timeout(tmp_path: Path, start, 
     text = ranks[0].text()
     assert code == 1, text[-4000:]
     [line] = [line for line in error_lines(text) if "lost rank" in line]
-    assert re.search(rf"lost rank 1 \(host {re.escape(HOST)}, pid {ranks[1].pid}\): no heartbeat for \d+ s; "
-                     r"this rank's collective failed with: .*([Tt]imed out|timeout)", line), line
+    assert re.search(
+        rf"lost rank 1 \(host {re.escape(HOST)}, pid {ranks[1].pid}\): no heartbeat for \d+ s; "
+        r"this rank's collective failed with: .*([Tt]imed out|timeout)",
+        line,
+    ), line
     assert took <= 20 + 30, f"rank 0 took {took:.0f} s to give up (dist.timeout_s=20)"
     record(record_property, before, run_dir, last_train_step(run_dir) - checkpoint.load_latest(run_dir)["step"], took)
     assert lost_bytes(before, run_dir) == 0
@@ -294,8 +328,15 @@ def test_hung_rank_is_named_after_the_collective_timeout(tmp_path: Path, start, 
 
 
 # =========================================================================== 3. unusable checkpoints
-SHORT = ["model.name=mlp", "train.epochs=1", "train.max_steps=30", f"checkpoint.every_steps={EVERY}",
-         "checkpoint.keep=3", "train.log_every_steps=5", "run.name=base"]
+SHORT = [
+    "model.name=mlp",
+    "train.epochs=1",
+    "train.max_steps=30",
+    f"checkpoint.every_steps={EVERY}",
+    "checkpoint.keep=3",
+    "train.log_every_steps=5",
+    "run.name=base",
+]
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +356,7 @@ def copy_run(finished_run: Path, tmp_path: Path) -> Path:
 
 def flip_a_bit(data: bytes) -> bytes:
     i = len(data) // 2  # inside the tensor data, which is most of the file
-    return data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1:]
+    return data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1 :]
 
 
 def change_a_plain_value(data: bytes) -> bytes:
@@ -337,8 +378,9 @@ CORRUPT: dict[str, Callable[[bytes], bytes]] = {
 
 
 @pytest.mark.parametrize("how", sorted(CORRUPT))
-def test_unusable_newest_checkpoint_is_skipped_and_the_one_before_used(finished_run: Path, tmp_path: Path,
-                                                                      how: str) -> None:
+def test_unusable_newest_checkpoint_is_skipped_and_the_one_before_used(
+    finished_run: Path, tmp_path: Path, how: str
+) -> None:
     run_dir = copy_run(finished_run, tmp_path)
     newest = run_dir / "checkpoints" / "step-30.pt"
     newest.write_bytes(CORRUPT[how](newest.read_bytes()))
@@ -346,7 +388,9 @@ def test_unusable_newest_checkpoint_is_skipped_and_the_one_before_used(finished_
 
     res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*SHORT), timeout=TIMEOUT_S)
     assert res.returncode == 0, res.stderr
-    assert re.search(rf"WARNING \[rank 0 {re.escape(HOST)}\] skipping checkpoint \S*step-30\.pt: \S", res.stderr), res.stderr
+    assert re.search(rf"WARNING \[rank 0 {re.escape(HOST)}\] skipping checkpoint \S*step-30\.pt: \S", res.stderr), (
+        res.stderr
+    )
     resumed = [r for r in rows(run_dir) if r["kind"] == "start"][-1]
     assert resumed["resumed"] is True and resumed["step"] == 20, resumed
     assert lost_bytes(older, run_dir) == 0
@@ -363,8 +407,11 @@ def test_all_checkpoints_unusable_stops_instead_of_starting_over(finished_run: P
     res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*SHORT), timeout=TIMEOUT_S)
     assert res.returncode == 1, res.stderr
     [line] = error_lines(res.stderr)
-    assert re.search(r"no usable checkpoint in \S+ \(step-30\.pt, step-20\.pt, step-10\.pt all failed to load\); "
-                     r"refusing to start over", line), line
+    assert re.search(
+        r"no usable checkpoint in \S+ \(step-30\.pt, step-20\.pt, step-10\.pt all failed to load\); "
+        r"refusing to start over",
+        line,
+    ), line
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == files
     assert "Traceback" not in res.stderr
 
@@ -390,8 +437,9 @@ def mounts() -> Iterator[Callable[..., None]]:
             subprocess.run(["umount", "-l", target], capture_output=True)
 
 
-def test_disk_full_during_a_save_stops_with_the_previous_checkpoints_intact(finished_run: Path, tmp_path: Path,
-                                                                            mounts, record_property) -> None:
+def test_disk_full_during_a_save_stops_with_the_previous_checkpoints_intact(
+    finished_run: Path, tmp_path: Path, mounts, record_property
+) -> None:
     """The run directory on a file system with room for two checkpoints: the third save fails, the
     run stops right there with one clear line (it does not train on without a safety net), the two
     checkpoints are intact; once there is room, the relaunch resumes from the second."""
@@ -400,15 +448,25 @@ def test_disk_full_during_a_save_stops_with_the_previous_checkpoints_intact(fini
     disk.mkdir()
     mounts("-t", "tmpfs", "-o", f"size={(5 * size // 2 + 64 * 1024) // 1024}k", "tmpfs", str(disk))
     run_dir = disk / "runs" / "full"
-    args = ["model.name=mlp", "train.epochs=2", "train.max_steps=50", f"checkpoint.every_steps={EVERY}",
-            "train.log_every_steps=5", f"run.output_root={disk / 'runs'}", "run.name=full"]
+    args = [
+        "model.name=mlp",
+        "train.epochs=2",
+        "train.max_steps=50",
+        f"checkpoint.every_steps={EVERY}",
+        "train.log_every_steps=5",
+        f"run.output_root={disk / 'runs'}",
+        "run.name=full",
+    ]
     launcher = Launcher(tmp_path)
 
     res = launcher.run(launcher.cmd_train(*args), timeout=TIMEOUT_S)
     assert res.returncode == 1, res.stderr
     [line] = error_lines(res.stderr)
-    assert re.search(r"cannot write checkpoint \S*step-30\.pt: No space left on device; previous checkpoints "
-                     r"are intact", line), line
+    assert re.search(
+        r"cannot write checkpoint \S*step-30\.pt: No space left on device; previous checkpoints "
+        r"are intact",
+        line,
+    ), line
     assert [s for s, _ in checkpoint.list_checkpoints(run_dir)] == [20, 10] and not temporaries(run_dir)
     assert last_train_step(run_dir) == 30  # stopped at the failed save: no step 35
     before = snapshot(run_dir)
@@ -437,8 +495,11 @@ def test_read_only_run_directory_stops_with_one_line(finished_run: Path, tmp_pat
     res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*SHORT), timeout=TIMEOUT_S)
     assert res.returncode == 1, res.stderr
     [line] = error_lines(res.stderr)
-    assert re.search(r"cannot write checkpoint \S*step-30\.pt: Read-only file system; previous checkpoints "
-                     r"are intact", line), line
+    assert re.search(
+        r"cannot write checkpoint \S*step-30\.pt: Read-only file system; previous checkpoints "
+        r"are intact",
+        line,
+    ), line
     assert snapshot(run_dir) == before
     assert [r for r in rows(run_dir) if r["kind"] == "start"][-1]["step"] == 20
 
@@ -453,8 +514,9 @@ def test_read_only_run_directory_stops_with_one_line(finished_run: Path, tmp_pat
 
 
 # =========================================================================== 5. two launches, one run
-def test_second_launch_on_a_live_run_refuses_and_a_killed_run_does_not_block(tmp_path: Path, start,
-                                                                            record_property) -> None:
+def test_second_launch_on_a_live_run_refuses_and_a_killed_run_does_not_block(
+    tmp_path: Path, start, record_property
+) -> None:
     launcher, run_dir = Launcher(tmp_path), tmp_path / "runs" / "busy"
     args = [*LONG, "run.name=busy"]
     first = start(launcher.cmd_train(*args))
@@ -484,6 +546,7 @@ def test_second_launch_on_a_live_run_refuses_and_a_killed_run_does_not_block(tmp
 @dataclass(frozen=True)
 class Bad:
     """A command line that must be refused: exit 2, one line on stderr, nothing started or created."""
+
     argv: tuple[str, ...]
     says: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
@@ -491,23 +554,46 @@ class Bad:
     module: str = "ddp_slurm.train"
 
 
-TORCHRUN_3 = (("RANK", "0"), ("WORLD_SIZE", "3"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "3"),
-              ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29400"))
-SRUN_STEP = (("SLURM_JOB_ID", "77"), ("SLURM_STEP_ID", "0"), ("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0"),
-             ("SLURM_NODEID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_NNODES", "2"), ("SLURM_TASKS_PER_NODE", "1(x2)"))
+TORCHRUN_3 = (
+    ("RANK", "0"),
+    ("WORLD_SIZE", "3"),
+    ("LOCAL_RANK", "0"),
+    ("LOCAL_WORLD_SIZE", "3"),
+    ("MASTER_ADDR", "127.0.0.1"),
+    ("MASTER_PORT", "29400"),
+)
+SRUN_STEP = (
+    ("SLURM_JOB_ID", "77"),
+    ("SLURM_STEP_ID", "0"),
+    ("SLURM_PROCID", "0"),
+    ("SLURM_LOCALID", "0"),
+    ("SLURM_NODEID", "0"),
+    ("SLURM_NTASKS", "2"),
+    ("SLURM_NNODES", "2"),
+    ("SLURM_TASKS_PER_NODE", "1(x2)"),
+)
 BAD_INPUTS: dict[str, Bad] = {
-    "yaml-indentation": Bad(("--config", "job.yaml"), ("job.yaml is not valid YAML at line 3",),
-                            file="train:\n  epochs: 3\n   lr: 0.1\n"),
+    "yaml-indentation": Bad(
+        ("--config", "job.yaml"), ("job.yaml is not valid YAML at line 3",), file="train:\n  epochs: 3\n   lr: 0.1\n"
+    ),
     "yaml-a-list": Bad(("--config", "job.yaml"), ("expected a mapping of sections",), file="- train\n- epochs\n"),
-    "section-not-a-mapping": Bad(("--config", "job.yaml"), ("section 'train'", "expected a mapping"), file="train: 5\n"),
-    "unknown-section": Bad(("--config", "job.yaml"), ("unknown config section 'optim'", "job.yaml"),
-                           file="optim:\n  lr: 0.1\n"),
-    "unknown-key-in-file": Bad(("--config", "job.yaml"), ("'train.epoch'", "job.yaml", "did you mean"),
-                               file="train:\n  epoch: 3\n"),
-    "wrong-type-in-file": Bad(("--config", "job.yaml"), ("train.lr in job.yaml", "a number", "'fast'"),
-                              file="train:\n  lr: fast\n"),
-    "negative-batch-in-file": Bad(("--config", "job.yaml"), ("train.global_batch_size in job.yaml", ">= 1"),
-                                  file="train:\n  global_batch_size: -128\n"),
+    "section-not-a-mapping": Bad(
+        ("--config", "job.yaml"), ("section 'train'", "expected a mapping"), file="train: 5\n"
+    ),
+    "unknown-section": Bad(
+        ("--config", "job.yaml"), ("unknown config section 'optim'", "job.yaml"), file="optim:\n  lr: 0.1\n"
+    ),
+    "unknown-key-in-file": Bad(
+        ("--config", "job.yaml"), ("'train.epoch'", "job.yaml", "did you mean"), file="train:\n  epoch: 3\n"
+    ),
+    "wrong-type-in-file": Bad(
+        ("--config", "job.yaml"), ("train.lr in job.yaml", "a number", "'fast'"), file="train:\n  lr: fast\n"
+    ),
+    "negative-batch-in-file": Bad(
+        ("--config", "job.yaml"),
+        ("train.global_batch_size in job.yaml", ">= 1"),
+        file="train:\n  global_batch_size: -128\n",
+    ),
     "missing-config": Bad(("--config", "nowhere.yaml"), ("config file nowhere.yaml not found",)),
     "config-is-a-directory": Bad(("--config", "."), ("config file . cannot be read",)),
     "zero-epochs": Bad(("train.epochs=0",), ("train.epochs", ">= 1")),
@@ -518,27 +604,43 @@ BAD_INPUTS: dict[str, Bad] = {
     "override-empty-value": Bad(("train.epochs=",), ("train.epochs", "an integer", "None")),
     "unknown-model": Bad(("model.name=resnet",), ("model.name", "'mlp'", "'cnn'")),
     "unknown-data-source": Bad(("data.source=cifar",), ("data.source", "'sample'", "'mnist'")),
-    "batch-not-divisible": Bad(("train.global_batch_size=128",), ("not divisible by the world size 3",),
-                               env=TORCHRUN_3),
+    "batch-not-divisible": Bad(
+        ("train.global_batch_size=128",), ("not divisible by the world size 3",), env=TORCHRUN_3
+    ),
     "unknown-flag": Bad(("--epochs", "3"), ("unrecognized arguments: --epochs",)),
     "flag-without-value": Bad(("--config",), ("argument --config: expected one argument",)),
     "bf16-on-cpu": Bad(("train.precision=bf16",), ("train.precision=bf16 needs CUDA",)),
-    "nonsense-node-list": Bad((), ("malformed Slurm host list 'node[3-1]'",),
-                              env=SRUN_STEP + (("SLURM_JOB_NODELIST", "node[3-1]"),)),
-    "rank-beyond-world": Bad((), ("RANK=2 but WORLD_SIZE=2",),
-                             env=(("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
-                                  ("MASTER_PORT", "29400"))),
+    "nonsense-node-list": Bad(
+        (), ("malformed Slurm host list 'node[3-1]'",), env=SRUN_STEP + (("SLURM_JOB_NODELIST", "node[3-1]"),)
+    ),
+    "rank-beyond-world": Bad(
+        (),
+        ("RANK=2 but WORLD_SIZE=2",),
+        env=(
+            ("RANK", "2"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_PORT", "29400"),
+        ),
+    ),
     "partial-torchrun-env": Bad((), ("LOCAL_RANK", "missing"), env=(("RANK", "0"), ("WORLD_SIZE", "2"))),
     "port-not-a-port": Bad((), ("MASTER_PORT=70000",), env=TORCHRUN_3[:4] + (("MASTER_PORT", "70000"),)),
-    "many-tasks-without-srun": Bad((), ("not in a job step", "srun"), env=(("SLURM_JOB_ID", "77"), ("SLURM_NTASKS", "4"))),
-    "submit-zero-nodes": Bad(("--dry-run", "--nodes", "0"), ("--nodes", "expected an integer >= 1"),
-                             module="ddp_slurm.submit"),
-    "submit-time-not-a-number": Bad(("--dry-run", "--time", "abc"), ("--time", "expected an integer"),
-                                    module="ddp_slurm.submit"),
-    "submit-zero-cpus": Bad(("--dry-run", "--cpus-per-task", "0"), ("--cpus-per-task", ">= 1"),
-                            module="ddp_slurm.submit"),
-    "submit-unknown-cluster": Bad(("--cluster", "nowhere"), ("--cluster", "invalid choice", "'nowhere'"),
-                                  module="ddp_slurm.submit"),
+    "many-tasks-without-srun": Bad(
+        (), ("not in a job step", "srun"), env=(("SLURM_JOB_ID", "77"), ("SLURM_NTASKS", "4"))
+    ),
+    "submit-zero-nodes": Bad(
+        ("--dry-run", "--nodes", "0"), ("--nodes", "expected an integer >= 1"), module="ddp_slurm.submit"
+    ),
+    "submit-time-not-a-number": Bad(
+        ("--dry-run", "--time", "abc"), ("--time", "expected an integer"), module="ddp_slurm.submit"
+    ),
+    "submit-zero-cpus": Bad(
+        ("--dry-run", "--cpus-per-task", "0"), ("--cpus-per-task", ">= 1"), module="ddp_slurm.submit"
+    ),
+    "submit-unknown-cluster": Bad(
+        ("--cluster", "nowhere"), ("--cluster", "invalid choice", "'nowhere'"), module="ddp_slurm.submit"
+    ),
 }
 
 
@@ -546,8 +648,14 @@ def run_bad(case: Bad, cwd: Path) -> subprocess.CompletedProcess:
     cwd.mkdir()
     if case.file is not None:
         (cwd / "job.yaml").write_text(case.file)
-    return subprocess.run([sys.executable, "-m", case.module, *case.argv], cwd=cwd, env=base_env(**dict(case.env)),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", case.module, *case.argv],
+        cwd=cwd,
+        env=base_env(**dict(case.env)),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -590,8 +698,17 @@ def test_rendezvous_port_in_use_names_the_port_and_the_way_out(tmp_path: Path) -
 # =========================================================================== 8. loss becomes NaN
 def test_diverging_loss_stops_at_that_step_and_saves_no_bad_weights(tmp_path: Path) -> None:
     launcher, run_dir = Launcher(tmp_path), tmp_path / "runs" / "nan"
-    args = ["model.name=mlp", "train.optimizer=sgd", "train.lr=1e6", "train.schedule=constant", "train.epochs=1",
-            "checkpoint.every_steps=2", "checkpoint.keep=100", "train.log_every_steps=1", "run.name=nan"]
+    args = [
+        "model.name=mlp",
+        "train.optimizer=sgd",
+        "train.lr=1e6",
+        "train.schedule=constant",
+        "train.epochs=1",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=100",
+        "train.log_every_steps=1",
+        "run.name=nan",
+    ]
     res = launcher.run(launcher.cmd_train(*args), timeout=TIMEOUT_S)
     assert res.returncode == 1, res.stderr
     [line] = error_lines(res.stderr)
@@ -650,8 +767,11 @@ def test_stop_signal_during_a_checkpoint_save(tmp_path: Path, start) -> None:
     """Freeze the process while a checkpoint's temporary file exists (mid-save), queue SIGUSR2 and
     SIGTERM, let it continue: the save completes, it is the stop checkpoint, exit 75."""
     launcher, run_dir = Launcher(tmp_path), tmp_path / "runs" / "mid-save"
-    run = start(launcher.cmd_train("model.name=mlp", "train.epochs=100", "checkpoint.every_steps=1",
-                                   "checkpoint.keep=3", "run.name=mid-save"))
+    run = start(
+        launcher.cmd_train(
+            "model.name=mlp", "train.epochs=100", "checkpoint.every_steps=1", "checkpoint.keep=3", "run.name=mid-save"
+        )
+    )
     run.until("training", lambda: len(checkpoint.list_checkpoints(run_dir)) >= 1)
     for _ in range(200):
         run.until("a save in progress", lambda: bool(temporaries(run_dir)), poll_s=0.0005)
@@ -682,8 +802,9 @@ def fake_slurm_job(tmp_path: Path, restart: int) -> tuple[dict[str, str], Path]:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text(SCONTROL_STUB.format(calls=calls))
     (bin_dir / "scontrol").chmod(0o755)
-    return base_env(SLURM_JOB_ID="4242", SLURM_RESTART_COUNT=str(restart),
-                    PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"), calls
+    return base_env(
+        SLURM_JOB_ID="4242", SLURM_RESTART_COUNT=str(restart), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    ), calls
 
 
 def test_requeue_cap_reached_at_the_signal_stops_with_exit_3_and_no_requeue(tmp_path: Path, start) -> None:
@@ -715,14 +836,19 @@ def dogs(world: int, store: Any | None = None) -> list[Any]:
     """One Watchdog per pretend rank, all in this process, sharing one store; quick timings."""
     import torch.distributed as dist
 
-    from ddp_slurm.watchdog import Watchdog
+    from ddp_slurm.dist.watchdog import Watchdog
+
     store = store if store is not None else dist.HashStore()
-    return [Watchdog(dist.PrefixStore("test/", store), r, world, "127.0.0.1:4711", interval_s=0.2, grace_s=1.5).start()
-            for r in range(world)]
+    return [
+        Watchdog(dist.PrefixStore("test/", store), r, world, "127.0.0.1:4711", interval_s=0.2, grace_s=1.5).start()
+        for r in range(world)
+    ]
 
 
-GLOO_ERROR = RuntimeError("[/src/gloo/transport/tcp/pair.cc:545] Read error [10.0.0.2]:4711: Connection reset by "
-                          "peer. This is typically caused by a remote worker hanging. GLHF!")
+GLOO_ERROR = RuntimeError(
+    "[/src/gloo/transport/tcp/pair.cc:545] Read error [10.0.0.2]:4711: Connection reset by "
+    "peer. This is typically caused by a remote worker hanging. GLHF!"
+)
 
 
 @pytest.mark.parametrize("world, dead", [(3, [2]), (4, [1, 3])])
@@ -769,8 +895,10 @@ def test_watchdog_blames_the_store_host_when_the_store_is_gone() -> None:
     del server  # rank 0, and the store it hosted, are gone
     error, count = rank1.explain(GLOO_ERROR)
     assert count == 1, error
-    assert str(error).startswith(f"lost rank 0 (host {HOST}, pid {os.getpid()}, store at 127.0.0.1:4711): the "
-                                 "rendezvous store it hosted is unreachable ("), error
+    assert str(error).startswith(
+        f"lost rank 0 (host {HOST}, pid {os.getpid()}, store at 127.0.0.1:4711): the "
+        "rendezvous store it hosted is unreachable ("
+    ), error
     rank1.stop()
 
 
@@ -779,11 +907,20 @@ def test_watchdog_keeps_the_verdict_when_the_store_host_exits_before_a_slow_surv
     the store with it): when rank 3's collective finally fails, it reports rank 2, not rank 0."""
     import torch.distributed as dist
 
-    from ddp_slurm.watchdog import Watchdog
+    from ddp_slurm.dist.watchdog import Watchdog
+
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    pack = [Watchdog(dist.PrefixStore("test/", dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                                                              wait_for_workers=False)),
-                     r, 4, f"127.0.0.1:{server.port}", interval_s=0.2, grace_s=1.5).start() for r in range(4)]
+    pack = [
+        Watchdog(
+            dist.PrefixStore("test/", dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)),
+            r,
+            4,
+            f"127.0.0.1:{server.port}",
+            interval_s=0.2,
+            grace_s=1.5,
+        ).start()
+        for r in range(4)
+    ]
     pack[2]._stop.set()  # SIGKILLed
     pack[2]._thread.join()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # ranks 0 and 1 fail at once

@@ -4,6 +4,7 @@ Marked ``gpu``; ``benchmarks/gpu_check.sh`` runs them (``pytest -m gpu``). Witho
 the reason, in CI too: CI machines never have a GPU, and this is the one prerequisite a CI run lacks
 by design (everything else in the suite fails instead of skipping there).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ddp_slurm import config, data, engine, models
-
 from conftest import Launcher
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() "
-                                                                      "is false); run benchmarks/gpu_check.sh on one")]
+from ddp_slurm import config
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import step as engine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (torch.cuda.is_available() is false); run benchmarks/gpu_check.sh on one",
+    ),
+]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -27,8 +33,12 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_nccl_at_world_size_1_through_torchrun(launcher: Launcher) -> None:
     """torchrun, one rank, dist.backend=nccl: the process group forms on the GPU and the run finishes."""
-    res = launcher.run(launcher.cmd_torchrun(1, "dist.backend=nccl", "model.name=mlp", "train.epochs=1",
-                                             "train.max_steps=20", "run.name=nccl1"), timeout=600)
+    res = launcher.run(
+        launcher.cmd_torchrun(
+            1, "dist.backend=nccl", "model.name=mlp", "train.epochs=1", "train.max_steps=20", "run.name=nccl1"
+        ),
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     assert "backend nccl" in res.stderr and "device cuda" in res.stderr, res.stderr
     evals = [r for r in _rows(launcher.cwd / "runs" / "nccl1") if r["kind"] == "eval"]

@@ -1,4 +1,5 @@
 """hostmem: malloc keeps freed memory, so a step's large temporaries stop costing page faults."""
+
 from __future__ import annotations
 
 import json
@@ -7,14 +8,18 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import base_env
-from ddp_slurm import hostmem
+
+from ddp_slurm.dist import hostmem
 
 FAULTS = textwrap.dedent("""
     import json, os, resource, sys
     import torch
-    from ddp_slurm import config, data, engine, hostmem, models
+    from ddp_slurm import config
+    from ddp_slurm.tasks.mnist import data
+    from ddp_slurm.train import step as engine
+    from ddp_slurm.dist import hostmem
+    from ddp_slurm.tasks.mnist import models
 
     kept = hostmem.keep_freed_memory(os.environ) if sys.argv[1] == "keep" else False
     torch.set_num_threads(1)
@@ -34,16 +39,19 @@ FAULTS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("environ, chosen", [
-    ({}, None),
-    ({"PATH": "/usr/bin", "OMP_NUM_THREADS": "2"}, None),
-    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_"),
-    ({"MALLOC_ARENA_MAX": "2"}, "MALLOC_ARENA_MAX"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "GLIBC_TUNABLES"),
-    ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}, None),
-    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD"),
-    ({"LD_PRELOAD": "libtcmalloc_minimal.so.4"}, "LD_PRELOAD"),
-])
+@pytest.mark.parametrize(
+    "environ, chosen",
+    [
+        ({}, None),
+        ({"PATH": "/usr/bin", "OMP_NUM_THREADS": "2"}, None),
+        ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_"),
+        ({"MALLOC_ARENA_MAX": "2"}, "MALLOC_ARENA_MAX"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "GLIBC_TUNABLES"),
+        ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}, None),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD"),
+        ({"LD_PRELOAD": "libtcmalloc_minimal.so.4"}, "LD_PRELOAD"),
+    ],
+)
 def test_a_users_own_malloc_settings_are_left_alone(environ: dict[str, str], chosen: str | None) -> None:
     assert hostmem.user_chose_allocator(environ) == chosen
 
@@ -56,8 +64,7 @@ def test_nothing_is_changed_when_the_user_chose() -> None:
 def test_freed_memory_is_reused_without_page_faults(tmp_path) -> None:
     def run(mode: str) -> dict:
         env = {k: v for k, v in base_env().items() if not k.startswith("MALLOC_")}
-        res = subprocess.run([sys.executable, "-c", FAULTS, mode], env=env, capture_output=True, text=True,
-                             timeout=120)
+        res = subprocess.run([sys.executable, "-c", FAULTS, mode], env=env, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         return json.loads(res.stdout.strip().splitlines()[-1])
 

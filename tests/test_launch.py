@@ -1,5 +1,6 @@
 """``python -m ddp_slurm.launch``: torchrun that survives the stop signal and passes it on; the sbatch
 scripts' checks that run without a cluster. (On the real cluster: tests/cluster/test_sbatch.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, base_env
-from ddp_slurm import launch, logs, train
+
+from ddp_slurm.launch import torchrun as launch
+from ddp_slurm.train import logs
+from ddp_slurm.train import loop as train
 
 SCRIPTS = [REPO / "sbatch" / "mnist_4node.sh", REPO / "sbatch" / "mnist_torchrun.sh"]
 MLP = ["model.name=mlp", "train.epochs=40", "checkpoint.every_steps=20"]  # long enough to be interrupted
@@ -33,8 +36,9 @@ def wait_for_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 30
 
 
 def torchrun(launcher, module: str, *overrides: str) -> subprocess.Popen:
-    return launcher.popen([sys.executable, "-m", module, "--standalone", "--nproc_per_node", "2",
-                           "-m", "ddp_slurm.train", *overrides])
+    return launcher.popen(
+        [sys.executable, "-m", module, "--standalone", "--nproc_per_node", "2", "-m", "ddp_slurm.train", *overrides]
+    )
 
 
 def test_exit_code_matches_train():
@@ -74,6 +78,7 @@ def stop_orphans(cwd: Path, timeout: float = 120) -> None:
     """Kill the workers a dead agent left behind (found by their working directory, which is this
     test's own) and wait until they are gone. SIGKILL: without their agent's store they would only
     linger in their shutdown."""
+
     def running() -> list[int]:
         pids = []
         for entry in Path("/proc").iterdir():
@@ -115,8 +120,17 @@ def test_rank_map_groups_ranks_by_host():
 def test_script_is_valid_bash_with_the_slurm_options(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    for option in ("--nodes=4", "--ntasks-per-node=", "--gpus-per-node=4", "--cpus-per-task=", "--time=",
-                   "--signal=USR2@", "--requeue", "--open-mode=append", "--output=%x-%j.out"):
+    for option in (
+        "--nodes=4",
+        "--ntasks-per-node=",
+        "--gpus-per-node=4",
+        "--cpus-per-task=",
+        "--time=",
+        "--signal=USR2@",
+        "--requeue",
+        "--open-mode=append",
+        "--output=%x-%j.out",
+    ):
         assert f"#SBATCH {option}" in text, option
     assert "srun --kill-on-bad-exit=1" in text and '"$@"' in text
 
@@ -134,7 +148,7 @@ def test_script_says_when_python_lacks_the_package(script, tmp_path):
     """A Python without the package (here: with -I, which ignores PYTHONPATH and the working directory
     can't help either, from a directory outside the project) is refused before srun runs."""
     fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
     fake.chmod(0o755)
     env = base_env(DDP_SLURM_PYTHON=str(fake), SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="7")
     res = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
@@ -144,6 +158,7 @@ def test_script_says_when_python_lacks_the_package(script, tmp_path):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_script_outside_slurm_says_to_use_sbatch(script, tmp_path):
-    res = subprocess.run(["bash", str(script)], cwd=tmp_path, env=base_env(), capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2 and "submit it with `sbatch" in res.stderr, res.stderr

@@ -1,5 +1,6 @@
 """Logs and progress of real training runs: the start summary, a crash on one rank, the progress bar on
 a real pseudo-terminal and the plain lines of batch logs."""
+
 from __future__ import annotations
 
 import fcntl
@@ -16,16 +17,17 @@ import time
 
 from conftest import base_env
 
-from ddp_slurm import logs
+from ddp_slurm.train import logs
 
 TINY = ["model.name=mlp", "train.epochs=1", "train.max_steps=20", "train.log_every_steps=5"]
 HOST = socket.gethostname()
 
 # A test harness, not a product hook: raises on one rank at its N-th training step, then runs the real
 # entry point. RANK is unset for a single process, which counts as rank 0.
-CRASH = '''
+CRASH = """
 import os, sys
-from ddp_slurm import engine, train
+from ddp_slurm.train import step as engine
+from ddp_slurm.train import loop as train
 rank, at = os.environ.get("CRASH_RANK", "0"), int(os.environ.get("CRASH_AT", "0"))
 real_make_step = engine.make_step
 def make_step(*args, **kwargs):
@@ -38,20 +40,29 @@ def make_step(*args, **kwargs):
     return wrapped
 engine.make_step = make_step
 sys.exit(train.main(sys.argv[1:]))
-'''
+"""
 
 
 def our_tracebacks(text: str) -> list[str]:
     """Traceback blocks that go through the training code (torchrun's agent prints its own, about itself)."""
     blocks = text.split("Traceback (most recent call last):")[1:]
-    return [b for b in blocks if "ddp_slurm/train.py" in b]
+    return [b for b in blocks if "ddp_slurm/train/" in b]
 
 
 def test_crash_on_one_rank_prints_its_traceback_once(launcher, tmp_path):
     harness = tmp_path / "crash_harness.py"
     harness.write_text(CRASH)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(harness),
-           *TINY, "train.max_steps=50"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(harness),
+        *TINY,
+        "train.max_steps=50",
+    ]
     res = launcher.run(cmd, env=base_env(CRASH_RANK="1", CRASH_AT="3"))
     out = res.stdout + res.stderr
     assert res.returncode != 0
@@ -66,8 +77,9 @@ def test_crash_on_one_rank_prints_its_traceback_once(launcher, tmp_path):
             assert "another rank stopped answering" in line, line
     # info lines come from rank 0 only: one start summary for the two ranks
     summaries = [l for l in out.splitlines() if re.search(r"starting run \S+: world size 2 on 1 node", l)]
-    assert len(summaries) == 1 and summaries[0].endswith(
-        "via torchrun, backend gloo, device cpu, fresh start"), summaries
+    assert len(summaries) == 1 and summaries[0].endswith("via torchrun, backend gloo, device cpu, fresh start"), (
+        summaries
+    )
 
 
 def test_crash_then_resume_summary(launcher, tmp_path):
@@ -79,13 +91,19 @@ def test_crash_then_resume_summary(launcher, tmp_path):
     [block] = our_tracebacks(first.stderr)
     assert "ValueError: injected failure on rank 0" in block
     assert f"ERROR [rank 0 {HOST}] training failed\nTraceback" in first.stderr
-    assert re.search(r"starting run runs/resumed: world size 1 on 1 node\(s\) via single, backend gloo, "
-                     r"device cpu, fresh start", first.stderr), first.stderr
+    assert re.search(
+        r"starting run runs/resumed: world size 1 on 1 node\(s\) via single, backend gloo, "
+        r"device cpu, fresh start",
+        first.stderr,
+    ), first.stderr
     second = launcher.run(launcher.cmd_train(*args))
     assert second.returncode == 0, second.stderr
     # step 7 completed but only step 5 was checkpointed: the relaunch says where it resumes from
-    assert re.search(r"resuming run runs/resumed: world size 1 on 1 node\(s\) via single, backend gloo, "
-                     r"device cpu, from step 5 \(restart 0\)", second.stderr), second.stderr
+    assert re.search(
+        r"resuming run runs/resumed: world size 1 on 1 node\(s\) via single, backend gloo, "
+        r"device cpu, from step 5 \(restart 0\)",
+        second.stderr,
+    ), second.stderr
 
 
 def _read_all(fd: int, proc: subprocess.Popen, limit_s: float = 600) -> bytes:
@@ -110,10 +128,19 @@ def test_progress_bar_on_a_terminal(tmp_path):
     main_fd, term_fd = pty.openpty()
     fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     # a cnn with small batches: slow enough per step for the bar to redraw with figures in it
-    cmd = [sys.executable, "-m", "ddp_slurm.train", "model.name=cnn", "train.global_batch_size=32",
-           "train.epochs=1", "train.max_steps=60", "train.log_every_steps=5"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=base_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=term_fd)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddp_slurm.train",
+        "model.name=cnn",
+        "train.global_batch_size=32",
+        "train.epochs=1",
+        "train.max_steps=60",
+        "train.log_every_steps=5",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=base_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=term_fd
+    )
     os.close(term_fd)
     try:
         text = _read_all(main_fd, proc).decode(errors="replace")
@@ -136,12 +163,24 @@ def test_progress_bar_on_a_terminal(tmp_path):
 
 def test_batch_log_has_plain_lines_only(launcher):
     """stderr is a file (a Slurm log): no bar, no carriage return; timed progress lines and an epoch line."""
-    res = launcher.run(launcher.cmd_train("model.name=mlp", "train.global_batch_size=32", "train.epochs=2",
-                                          "train.max_steps=200", "train.log_every_steps=5", "train.log_every_s=0.01"))
+    res = launcher.run(
+        launcher.cmd_train(
+            "model.name=mlp",
+            "train.global_batch_size=32",
+            "train.epochs=2",
+            "train.max_steps=200",
+            "train.log_every_steps=5",
+            "train.log_every_s=0.01",
+        )
+    )
     assert res.returncode == 0, res.stderr
     assert "\r" not in res.stderr
-    progress = re.findall(r"^\d\d:\d\d:\d\d epoch (\d) step (\d+)/(\d+) \(global step (\d+)\) loss [\d.]+ "
-                          r"[\d,]+ samples/s eta \d+(?:s|m\d\ds|h\d\dm)$", res.stderr, re.M)
+    progress = re.findall(
+        r"^\d\d:\d\d:\d\d epoch (\d) step (\d+)/(\d+) \(global step (\d+)\) loss [\d.]+ "
+        r"[\d,]+ samples/s eta \d+(?:s|m\d\ds|h\d\dm)$",
+        res.stderr,
+        re.M,
+    )
     assert len(progress) >= 2, res.stderr
     assert {p[2] for p in progress if p[0] == "2"} <= {"44"}  # epoch 2 ends early at step 200 = 156 + 44
     assert re.search(r"epoch 1/2: train loss [\d.]+, test accuracy", res.stderr)
@@ -149,8 +188,10 @@ def test_batch_log_has_plain_lines_only(launcher):
 
 
 def test_collective_failure_is_recognised():
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
-                        "[127.0.0.1]:18574. This is typically caused by a remote worker crashing.\nmore")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+        "[127.0.0.1]:18574. This is typically caused by a remote worker crashing.\nmore"
+    )
     assert logs.collective_failure(gloo) == "Connection closed by peer [127.0.0.1]:18574"
     assert logs.collective_failure(ValueError("a bug of our own")) is None
 

@@ -1,11 +1,12 @@
 """Models: output shapes, parameter counts, FLOP estimates, and a training step that learns."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from ddp_slurm import data, models
+from ddp_slurm.tasks.mnist import data, models
 
 
 def _params(model: nn.Module) -> int:

@@ -1,5 +1,6 @@
 """`python -m ddp_slurm.report RUN_DIR` on a real run that was stopped by a signal, crashed after a
 checkpoint (so some steps were redone) and resumed to the end; and on a run still being written."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,21 @@ import pytest
 from conftest import base_env
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ARGS = ["model.name=mlp", "train.global_batch_size=64", "train.epochs=2", "train.log_every_steps=5",
-        "checkpoint.every_steps=20", "run.name=r"]
+ARGS = [
+    "model.name=mlp",
+    "train.global_batch_size=64",
+    "train.epochs=2",
+    "train.log_every_steps=5",
+    "checkpoint.every_steps=20",
+    "run.name=r",
+]
 
 # A test harness, not a product hook: at this launch's N-th step send ourselves the stop signal
 # (STOP_AT, a real SIGUSR2) or raise (CRASH_AT), then run the real entry point.
-HARNESS = '''
+HARNESS = """
 import os, signal, sys
-from ddp_slurm import engine, train
+from ddp_slurm.train import step as engine
+from ddp_slurm.train import loop as train
 stop_at, crash_at = int(os.environ.get("STOP_AT", "0")), int(os.environ.get("CRASH_AT", "0"))
 real_make_step = engine.make_step
 def make_step(*args, **kwargs):
@@ -35,14 +43,15 @@ def make_step(*args, **kwargs):
     return wrapped
 engine.make_step = make_step
 sys.exit(train.main(sys.argv[1:]))
-'''
+"""
 
 
 def launch(cwd: Path, **env: str) -> int:
     harness = cwd / "harness.py"
     harness.write_text(HARNESS)
-    res = subprocess.run([sys.executable, str(harness), *ARGS], cwd=cwd, env=base_env(**env), capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, str(harness), *ARGS], cwd=cwd, env=base_env(**env), capture_output=True, text=True, timeout=600
+    )
     return res.returncode
 
 
@@ -58,8 +67,14 @@ def resumed_run(tmp_path_factory) -> Path:
 
 
 def report(run_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddp_slurm.report", str(run_dir)], cwd=cwd, env=base_env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.report", str(run_dir)],
+        cwd=cwd,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def expected(path: Path) -> dict:
@@ -82,10 +97,15 @@ def expected(path: Path) -> dict:
         elif row["kind"] == "eval":
             evals[row["step"]] = row
     accs = [evals[s]["accuracy"] for s in sorted(evals)]
-    return {"final": accs[-1] if accs else None, "best": max(accs) if accs else None,
-            "starts": sum(r["kind"] == "start" for r in rows), "stops": sum(r["kind"] == "stop" for r in rows),
-            "time": rows[-1]["time_s"], "windows": len(train),
-            "mean": statistics.fmean(r["samples_per_s"] for r in train.values())}
+    return {
+        "final": accs[-1] if accs else None,
+        "best": max(accs) if accs else None,
+        "starts": sum(r["kind"] == "start" for r in rows),
+        "stops": sum(r["kind"] == "stop" for r in rows),
+        "time": rows[-1]["time_s"],
+        "windows": len(train),
+        "mean": statistics.fmean(r["samples_per_s"] for r in train.values()),
+    }
 
 
 def check_png(path: Path) -> None:
@@ -109,10 +129,10 @@ def test_report_of_a_resumed_run(resumed_run, tmp_path):
     assert want["starts"] == 3 and want["stops"] == 1
     out = res.stdout
     assert f"run {resumed_run}: finished at step 156, world size 1" in out
-    assert (f"test accuracy: final {100 * want['final']:.2f}% (step 156), best {100 * want['best']:.2f}%"
-            in out), out
-    assert (f"wall time: {want['time']:.1f} s of training; 3 launch(es), 2 restart(s), 0 Slurm requeue(s), "
-            f"1 stop signal(s)") in out, out
+    assert f"test accuracy: final {100 * want['final']:.2f}% (step 156), best {100 * want['best']:.2f}%" in out, out
+    assert (
+        f"wall time: {want['time']:.1f} s of training; 3 launch(es), 2 restart(s), 0 Slurm requeue(s), 1 stop signal(s)"
+    ) in out, out
     assert f"throughput: mean {want['mean']:,.0f} samples/s over {want['windows']} logged windows" in out, out
     assert want["windows"] == 156 // 5
     assert f"plots: {resumed_run / 'report.png'}" in out

@@ -12,6 +12,7 @@ Windows are hit without hooks in the product:
   then queueing the signal and letting it continue (SIGCONT);
 - a torchrun worker's rank is read from its environment (``/proc/<pid>/environ``).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,26 +22,41 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
-
 from conftest import Launcher, base_env
-from ddp_slurm import checkpoint, metrics
+
+from ddp_slurm.train import checkpoint, metrics
 
 RUN_NAME = "r"
 STEPS_PER_EPOCH = 5000 // 64
-MLP = ["model.name=mlp", "train.global_batch_size=64", "train.epochs=3", "train.log_every_steps=2",
-       "checkpoint.every_steps=10", "checkpoint.keep=100", f"run.name={RUN_NAME}"]
+MLP = [
+    "model.name=mlp",
+    "train.global_batch_size=64",
+    "train.epochs=3",
+    "train.log_every_steps=2",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep=100",
+    f"run.name={RUN_NAME}",
+]
 MLP_TOTAL = 3 * STEPS_PER_EPOCH  # 234 steps
 # A CNN for the evaluation window: evaluating the 5,000 test images takes it about 0.5 s on one core.
 CNN_EPOCH = 5000 // 128
-CNN = ["model.name=cnn", "train.global_batch_size=128", "train.epochs=2", "train.max_steps=45",
-       f"train.log_every_steps={CNN_EPOCH // 3}", "checkpoint.every_steps=10", "checkpoint.keep=100",
-       f"run.name={RUN_NAME}"]
+CNN = [
+    "model.name=cnn",
+    "train.global_batch_size=128",
+    "train.epochs=2",
+    "train.max_steps=45",
+    f"train.log_every_steps={CNN_EPOCH // 3}",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep=100",
+    f"run.name={RUN_NAME}",
+]
 EXIT_STOPPED = 75
 TIMEOUT_S = 900.0  # per launch; the machine may be shared and slow, never a timing assertion
 
@@ -79,6 +95,7 @@ def state_of(pid: int) -> str:
 @dataclass
 class Launch:
     """One launch of training (plain python or torchrun) in the background."""
+
     proc: subprocess.Popen
     log: Path
     world_size: int
@@ -94,7 +111,7 @@ class Launch:
 
     def rows(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
-        return list(metrics.read(path))[self.first_row:] if path.exists() else []
+        return list(metrics.read(path))[self.first_row :] if path.exists() else []
 
     def wait_for(self, what: str, ready: Callable[[], bool], poll_s: float = 0.005) -> None:
         deadline = time.monotonic() + TIMEOUT_S
@@ -121,9 +138,11 @@ class Launch:
         if self.world_size == 1:
             return self.proc.pid
         if not self._ranks:
+
             def all_there() -> bool:
                 kids = children(self.proc.pid)
                 return len(kids) == self.world_size and all("RANK" in environ_of(k) for k in kids)
+
             self.wait_for(f"{self.world_size} torchrun workers", all_there)
             self._ranks = {int(environ_of(k)["RANK"]): k for k in children(self.proc.pid)}
         return self._ranks[rank]
@@ -170,8 +189,9 @@ def launches() -> Iterator[list[Launch]]:
             launch.proc.wait()
 
 
-def start(launches: list[Launch], cwd: Path, world_size: int, overrides: list[str],
-          env: dict[str, str] | None = None) -> Launch:
+def start(
+    launches: list[Launch], cwd: Path, world_size: int, overrides: list[str], env: dict[str, str] | None = None
+) -> Launch:
     launcher = Launcher(cwd)
     cmd = launcher.cmd_train(*overrides) if world_size == 1 else launcher.cmd_torchrun(world_size, *overrides)
     run_dir = cwd / "runs" / RUN_NAME
@@ -182,8 +202,14 @@ def start(launches: list[Launch], cwd: Path, world_size: int, overrides: list[st
     return launch
 
 
-def run_to_end(launches: list[Launch], cwd: Path, world_size: int, overrides: list[str],
-               env: dict[str, str] | None = None, trains: bool = True) -> Launch:
+def run_to_end(
+    launches: list[Launch],
+    cwd: Path,
+    world_size: int,
+    overrides: list[str],
+    env: dict[str, str] | None = None,
+    trains: bool = True,
+) -> Launch:
     """Launch and wait for exit 0; ``trains``: it must also have trained to the end (an ``end`` row)."""
     launch = start(launches, cwd, world_size, overrides, env)
     code, text = launch.finish()
@@ -269,8 +295,9 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> References:
 
 # --------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_signal_to_one_rank_stops_all_and_resume_is_exact(references: References, launches: list[Launch],
-                                                          tmp_path: Path, world_size: int) -> None:
+def test_signal_to_one_rank_stops_all_and_resume_is_exact(
+    references: References, launches: list[Launch], tmp_path: Path, world_size: int
+) -> None:
     """SIGUSR2 to the last rank only (with 2 ranks: not rank 0): every rank stops at the same step
     with exit 75 and a checkpoint; launching again finishes bit-identical to the run left alone."""
     reference = references.final(f"mlp-{world_size}")
@@ -296,8 +323,7 @@ def test_signal_to_one_rank_stops_all_and_resume_is_exact(references: References
         assert_bit_identical(first.run_dir, reference)
 
 
-def test_three_interruptions_end_bit_identical(references: References, launches: list[Launch],
-                                               tmp_path: Path) -> None:
+def test_three_interruptions_end_bit_identical(references: References, launches: list[Launch], tmp_path: Path) -> None:
     """Two ranks stopped three times: SIGUSR2 to rank 1 inside the first epoch, SIGUSR2 to rank 1 of
     the relaunch before it takes any step, SIGTERM to rank 0 an epoch later. The fourth launch
     finishes bit-identical to the run left alone."""
@@ -308,8 +334,9 @@ def test_three_interruptions_end_bit_identical(references: References, launches:
         launch = start(launches, tmp_path, 2, MLP)
         launch.wait_until_catching(sig, ranks=[rank])
         if after is not None:
-            launch.wait_for_row(f"step {resumed_at + after}",
-                                lambda r: r["kind"] == "train" and r["step"] >= resumed_at + after)
+            launch.wait_for_row(
+                f"step {resumed_at + after}", lambda r: r["kind"] == "train" and r["step"] >= resumed_at + after
+            )
         launch.signal(rank, sig)
         stop = assert_stopped(launch)
         assert stop["requeue"] is (sig == signal.SIGUSR2)
@@ -352,8 +379,9 @@ def test_signal_during_evaluation(references: References, launches: list[Launch]
     first = start(launches, tmp_path, 1, CNN)
     first.wait_until_catching(signal.SIGUSR2)
     # The evaluation (about half a second on one core) starts right after this line: react within a millisecond.
-    first.wait_for_row("the epoch's last training line", lambda r: r["kind"] == "train" and r["step"] == CNN_EPOCH,
-                       poll_s=0.001)
+    first.wait_for_row(
+        "the epoch's last training line", lambda r: r["kind"] == "train" and r["step"] == CNN_EPOCH, poll_s=0.001
+    )
     pid = first.worker(0)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -428,8 +456,7 @@ def test_sigterm_stops_without_requeue(launches: list[Launch], tmp_path: Path) -
 
     second = start(launches, tmp_path, 1, MLP, env)
     second.wait_until_catching(signal.SIGTERM)
-    second.wait_for_row("step 20 past the resume",
-                        lambda r: r["kind"] == "train" and r["step"] >= stop1["step"] + 20)
+    second.wait_for_row("step 20 past the resume", lambda r: r["kind"] == "train" and r["step"] >= stop1["step"] + 20)
     second.signal(0, signal.SIGTERM)
     stop2 = assert_stopped(second)
     assert_resumed_from(second, stop1["step"])
@@ -442,7 +469,7 @@ WRITER = """
 import sys
 import torch
 from pathlib import Path
-from ddp_slurm import checkpoint
+from ddp_slurm.train import checkpoint
 run_dir = Path(sys.argv[1])
 state = checkpoint.load_latest(run_dir)
 for i in range(1000):
@@ -452,8 +479,9 @@ for i in range(1000):
 """
 
 
-def test_writer_killed_mid_save_leaves_previous_checkpoint(references: References, launches: list[Launch],
-                                                           tmp_path: Path) -> None:
+def test_writer_killed_mid_save_leaves_previous_checkpoint(
+    references: References, launches: list[Launch], tmp_path: Path
+) -> None:
     """SIGKILL while a checkpoint is being written: the previous file under that name stays loadable,
     a truncated newer checkpoint is skipped with a warning, and the next launch resumes from the
     intact one, removes the writer's leftover and finishes bit-identical."""
@@ -465,8 +493,13 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(references: Reference
 
     log = tmp_path / "writer.log"
     with open(log, "w") as out:
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run_dir)], stdout=out, stderr=subprocess.STDOUT,
-                                  env=base_env(), start_new_session=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(run_dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=base_env(),
+            start_new_session=True,
+        )
     try:
         temps = lambda: list((run_dir / "checkpoints").glob(".step-100.pt.tmp-*"))  # noqa: E731
         deadline = time.monotonic() + TIMEOUT_S

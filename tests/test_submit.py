@@ -4,6 +4,7 @@ executor running real ranks, sweeps, failures reported with training's status, a
 The same command on the real cluster (requeue on a signal, 4 nodes, a job array) is tested in
 tests/cluster/test_submit_cluster.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import Launcher, base_env
 
 SUBMIT = [sys.executable, "-m", "ddp_slurm.submit"]
@@ -25,7 +25,7 @@ def sbatch_lines(script: str) -> dict[str, str]:
     out = {}
     for line in script.splitlines():
         if line.startswith("#SBATCH --"):
-            key, _, value = line[len("#SBATCH --"):].partition("=")
+            key, _, value = line[len("#SBATCH --") :].partition("=")
             out[key] = value.strip("'")
     return out
 
@@ -39,9 +39,30 @@ def one_line_error(res) -> str:
 
 
 def test_dry_run_prints_the_sbatch_script_for_the_flags(launcher: Launcher) -> None:
-    res = launcher.run(SUBMIT + ["--dry-run", "--nodes", "3", "--gpus-per-node", "2", "--time", "30",
-                                 "--partition", "gpu", "--signal-delay", "90", "--cpus-per-task", "4",
-                                 "--account", "proj", "--name", "dry", "train.global_batch_size=120"], check=True)
+    res = launcher.run(
+        SUBMIT
+        + [
+            "--dry-run",
+            "--nodes",
+            "3",
+            "--gpus-per-node",
+            "2",
+            "--time",
+            "30",
+            "--partition",
+            "gpu",
+            "--signal-delay",
+            "90",
+            "--cpus-per-task",
+            "4",
+            "--account",
+            "proj",
+            "--name",
+            "dry",
+            "train.global_batch_size=120",
+        ],
+        check=True,
+    )
     script = res.stdout
     assert script.startswith("#!/bin/bash\n")
     flags = sbatch_lines(script)
@@ -64,9 +85,24 @@ def test_dry_run_prints_the_sbatch_script_for_the_flags(launcher: Launcher) -> N
 
 def test_dry_run_takes_defaults_from_the_config_and_flags_win(launcher: Launcher) -> None:
     cfg = launcher.cwd / "job.yaml"
-    cfg.write_text(yaml.safe_dump({"run": {"name": "fromfile"}, "slurm": {
-        "nodes": 2, "gpus_per_node": 4, "tasks_per_node": 2, "partition": "a100", "qos": "low", "time_min": 600,
-        "signal": "USR1", "signal_delay_s": 300, "requeue": False}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "fromfile"},
+                "slurm": {
+                    "nodes": 2,
+                    "gpus_per_node": 4,
+                    "tasks_per_node": 2,
+                    "partition": "a100",
+                    "qos": "low",
+                    "time_min": 600,
+                    "signal": "USR1",
+                    "signal_delay_s": 300,
+                    "requeue": False,
+                },
+            }
+        )
+    )
     res = launcher.run(SUBMIT + ["--dry-run", "--config", str(cfg), "--nodes", "4", "--qos", "high"], check=True)
     flags = sbatch_lines(res.stdout)
     assert (flags["nodes"], flags["qos"]) == ("4", "high")  # flags win
@@ -85,28 +121,32 @@ def test_dry_run_of_a_sweep_is_a_job_array(launcher: Launcher) -> None:
     assert not (launcher.cwd / "runs").exists()
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--nodes", "0"], "--nodes: expected an integer >= 1"),
-    (["--nodes", "two"], "--nodes: expected an integer"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--cluster", "mars"], "argument --cluster: invalid choice"),
-    (["--cluster", "local", "--nodes", "2"], "--nodes 2 needs Slurm"),
-    (["--cluster", "debug", "--tasks-per-node", "2"], "--cluster debug runs one task"),
-    (["--cluster", "local", "--dry-run"], "--dry-run prints the sbatch script of a Slurm job"),
-    (["train.lr=-1"], "train.lr"),
-    (["train.lrr=1"], "unknown config key 'train.lrr'"),
-    (["notakey"], "bad override 'notakey'"),
-    (["--name", "a/b"], "run.name"),
-    (["--config", "missing.yaml"], "missing.yaml not found"),
-    (["--nodes", "3"], "not divisible by the world size 3"),
-    (["--sweep", "train.lr"], "bad --sweep 'train.lr'"),
-    (["--sweep", "slurm.nodes=1,2"], "--sweep cannot vary slurm.nodes"),
-    (["--sweep", "train.lr=1e-3,-1"], "train.lr"),
-    (["--summary", "nowhere"], "neither a sweep directory"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--nodes", "0"], "--nodes: expected an integer >= 1"),
+        (["--nodes", "two"], "--nodes: expected an integer"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--cluster", "mars"], "argument --cluster: invalid choice"),
+        (["--cluster", "local", "--nodes", "2"], "--nodes 2 needs Slurm"),
+        (["--cluster", "debug", "--tasks-per-node", "2"], "--cluster debug runs one task"),
+        (["--cluster", "local", "--dry-run"], "--dry-run prints the sbatch script of a Slurm job"),
+        (["train.lr=-1"], "train.lr"),
+        (["train.lrr=1"], "unknown config key 'train.lrr'"),
+        (["notakey"], "bad override 'notakey'"),
+        (["--name", "a/b"], "run.name"),
+        (["--config", "missing.yaml"], "missing.yaml not found"),
+        (["--nodes", "3"], "not divisible by the world size 3"),
+        (["--sweep", "train.lr"], "bad --sweep 'train.lr'"),
+        (["--sweep", "slurm.nodes=1,2"], "--sweep cannot vary slurm.nodes"),
+        (["--sweep", "train.lr=1e-3,-1"], "train.lr"),
+        (["--summary", "nowhere"], "neither a sweep directory"),
+    ],
+)
 def test_bad_options_fail_with_one_line_and_submit_nothing(launcher: Launcher, args: list[str], says: str) -> None:
-    res = launcher.run(SUBMIT + ["--dry-run" if "--cluster" not in args and "--summary" not in args else "--wait",
-                                 *args])
+    res = launcher.run(
+        SUBMIT + ["--dry-run" if "--cluster" not in args and "--summary" not in args else "--wait", *args]
+    )
     assert says in one_line_error(res)
     assert res.stdout == ""
     assert not (launcher.cwd / "runs").exists()
@@ -149,14 +189,17 @@ def test_wait_exits_with_trainings_status_and_the_failing_ranks_lines(launcher: 
     # bf16 on CPU passes the config checks but training refuses it once running: exit 2 inside the job.
     res = launcher.run(SUBMIT + ["--cluster", "local", "--wait", "--name", "bad", *TINY, "train.precision=bf16"])
     assert res.returncode == 2, res.stdout + res.stderr
-    assert ("rank 0 failed: training exited 2 on rank 0 (usage or config error): train.precision=bf16 needs CUDA"
-            in res.stderr)
+    assert (
+        "rank 0 failed: training exited 2 on rank 0 (usage or config error): train.precision=bf16 needs CUDA"
+        in res.stderr
+    )
     assert "--- last lines of the failing rank's log" in res.stdout
 
 
 def test_local_sweep_makes_one_run_per_value_and_a_summary(launcher: Launcher) -> None:
-    res = launcher.run(SUBMIT + ["--cluster", "local", "--wait", "--name", "lrs", "--sweep", "train.lr=1e-3,1e-2",
-                                 *TINY])
+    res = launcher.run(
+        SUBMIT + ["--cluster", "local", "--wait", "--name", "lrs", "--sweep", "train.lr=1e-3,1e-2", *TINY]
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     root = launcher.cwd / "runs" / "lrs"
     assert sorted(p.name for p in root.iterdir() if (p / "config.yaml").exists()) == ["lr=1e-2", "lr=1e-3"]

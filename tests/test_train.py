@@ -4,6 +4,7 @@ The two mlp runs use the default settings (global batch 64, 4 epochs) and differ
 size, so they double as the check that 1 and 2 processes train the same model and as the check of
 the mlp accuracy target; the no-argument run is the cnn target.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import Launcher
-from ddp_slurm import checkpoint, config, metrics
+
+from ddp_slurm import config
+from ddp_slurm.train import checkpoint, metrics
 
 MLP_TARGET, CNN_TARGET = 0.89, 0.96  # test accuracy on the sample with the default settings
 SAMPLE_TEST_IMAGES = 5000
@@ -30,8 +32,11 @@ def _final_accuracy(run_dir: Path) -> float:
 def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
     """Every file of a run directory with its size and mtime: what a relaunch must leave alone (the
     launch lock, rewritten by every launch, aside)."""
-    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def _check_contract(run_dir: Path, overrides: list[str], world_size: int) -> list[dict]:
@@ -52,8 +57,9 @@ def _check_contract(run_dir: Path, overrides: list[str], world_size: int) -> lis
     steps_per_epoch = 5000 // cfg.train.global_batch_size
     total = cfg.train.epochs * steps_per_epoch
     train_rows = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train_rows] == list(range(cfg.train.log_every_steps, total + 1,
-                                                          cfg.train.log_every_steps))
+    assert [r["step"] for r in train_rows] == list(
+        range(cfg.train.log_every_steps, total + 1, cfg.train.log_every_steps)
+    )
     for row in train_rows:
         assert row["loss"] > 0 and row["samples_per_s"] > 0 and row["world_size"] == world_size
         assert row["epoch"] == (row["step"] - 1) // steps_per_epoch
@@ -138,15 +144,21 @@ def test_relaunching_a_finished_run_does_nothing(mlp_runs) -> None:
     assert "already finished" in res.stderr
     assert not re.search(r"epoch \d/4: train loss", res.stderr)  # no epoch trained or evaluated again
     after = _snapshot(run_dir)
-    assert {k: v for k, v in after.items() if k != "config.yaml"} == \
-           {k: v for k, v in before.items() if k != "config.yaml"}
+    assert {k: v for k, v in after.items() if k != "config.yaml"} == {
+        k: v for k, v in before.items() if k != "config.yaml"
+    }
     assert config.read_resolved(run_dir / "config.yaml") == config.load(None, overrides)
 
 
 @pytest.mark.slow
 def test_max_steps_ends_training_early(launcher: Launcher) -> None:
-    overrides = ["model.name=mlp", "train.max_steps=25", "train.log_every_steps=10", "checkpoint.every_steps=0",
-                 "run.name=capped"]
+    overrides = [
+        "model.name=mlp",
+        "train.max_steps=25",
+        "train.log_every_steps=10",
+        "checkpoint.every_steps=0",
+        "run.name=capped",
+    ]
     res = launcher.run(launcher.cmd_train(*overrides), timeout=600)
     assert res.returncode == 0, res.stderr
     rows = _rows(launcher.cwd / "runs" / "capped")

@@ -1,4 +1,5 @@
 """Command line of ``python -m ddp_slurm.bench``: one subcommand per benchmark (see each module's doc)."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from . import __doc__ as PACKAGE_DOC
-from . import common, ddp, limit, loader, startup, tta
+from ddp_slurm.bench import __doc__ as PACKAGE_DOC
+from ddp_slurm.bench import common, ddp, limit, loader, startup, tta
 
 COMMANDS = {
     "loader": (loader, "ddp_slurm's step vs the seed-style torchvision/DataLoader pipeline: samples/s and ratio"),
@@ -21,17 +22,23 @@ EXIT_USAGE = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ddp_slurm.bench", description=PACKAGE_DOC,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_slurm.bench", description=PACKAGE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to FILE")
-        p.add_argument("--threads", type=int, default=None,
-                       help="torch intra-op threads (default: what ddp_slurm.train would use); for startup and tta "
-                            "those of the training processes (OMP_NUM_THREADS), for ddp per rank (default: half "
-                            "the CPUs)")
+        p.add_argument(
+            "--threads",
+            type=int,
+            default=None,
+            help="torch intra-op threads (default: what ddp_slurm.train would use); for startup and tta "
+            "those of the training processes (OMP_NUM_THREADS), for ddp per rank (default: half "
+            "the CPUs)",
+        )
         module.add_arguments(p)
     return parser.parse_args(argv)
 

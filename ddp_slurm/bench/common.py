@@ -1,4 +1,5 @@
 """What every bench subcommand shares: the machine's description, statistics, the table and the JSON file."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,9 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -46,9 +48,14 @@ def load_average() -> float | None:
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
-                            "cpus": usable_cpus(), "python": platform.python_version(),
-                            "load_average_1m": load_average()}
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpus": usable_cpus(),
+        "python": platform.python_version(),
+        "load_average_1m": load_average(),
+    }
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
@@ -66,13 +73,13 @@ def resolve_device(name: str) -> torch.device:
 def set_threads(requested: int | None) -> int:
     """Intra-op threads: ``requested``, else what ``ddp_slurm.train`` would use for one process; and
     malloc kept from returning freed memory to the OS, as ``ddp_slurm.train`` does (see hostmem)."""
-    from .. import hostmem
+    from ddp_slurm.dist import hostmem
 
     hostmem.keep_freed_memory(os.environ)
     if requested is not None:
         torch.set_num_threads(requested)
         return requested
-    from .. import bootstrap
+    from ddp_slurm import bootstrap
 
     return bootstrap.configure_threads(bootstrap.DistEnv.from_environ({}), os.environ)
 
@@ -95,14 +102,24 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
 def summary(values: Sequence[float]) -> dict[str, Any]:
     """Median and spread (min, max, and max-min relative to the median) of repeated measurements."""
     med = statistics.median(values)
-    return {"median": med, "min": min(values), "max": max(values),
-            "spread": (max(values) - min(values)) / med if med else 0.0, "values": list(values)}
+    return {
+        "median": med,
+        "min": min(values),
+        "max": max(values),
+        "spread": (max(values) - min(values)) / med if med else 0.0,
+        "values": list(values),
+    }
 
 
 def scaled(s: Mapping[str, Any], factor: float) -> dict[str, Any]:
     """A summary in other units (the relative spread is unchanged)."""
-    return {"median": s["median"] * factor, "min": s["min"] * factor, "max": s["max"] * factor,
-            "spread": s["spread"], "values": [v * factor for v in s["values"]]}
+    return {
+        "median": s["median"] * factor,
+        "min": s["min"] * factor,
+        "max": s["max"] * factor,
+        "spread": s["spread"],
+        "values": [v * factor for v in s["values"]],
+    }
 
 
 def fmt(value: float | None, digits: int = 0) -> str:
@@ -132,9 +149,11 @@ def busy_note(payload: Mapping[str, Any]) -> str | None:
     load, cpus = payload["machine"]["load_average_1m"], payload["machine"]["cpus"]
     if load is None or payload["threads"] <= 1 or load < cpus:
         return None
-    return (f"  note: the machine is busy (load {load} on {cpus} CPUs) and each process runs {payload['threads']} "
-            "threads: OpenMP threads that spin while a sibling waits for a core can slow small steps down 10x "
-            "and more; compare with --threads 1")
+    return (
+        f"  note: the machine is busy (load {load} on {cpus} CPUs) and each process runs {payload['threads']} "
+        "threads: OpenMP threads that spin while a sibling waits for a core can slow small steps down 10x "
+        "and more; compare with --threads 1"
+    )
 
 
 def report(payload: dict[str, Any], text: str, json_path: Path | None) -> None:
@@ -149,17 +168,35 @@ def report(payload: dict[str, Any], text: str, json_path: Path | None) -> None:
 
 def header(command: str, device: torch.device | str, threads: int, **params: Any) -> dict[str, Any]:
     """The part of every JSON file that says where and how it was measured."""
-    return {"command": command, "machine": machine(), "torch": torch.__version__, "threads": threads,
-            "device": str(device), "params": params}
+    return {
+        "command": command,
+        "machine": machine(),
+        "torch": torch.__version__,
+        "threads": threads,
+        "device": str(device),
+        "params": params,
+    }
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for benchmark child processes: no launcher variables of the job this runs in,
     so a child started inside a Slurm step or torchrun does not take itself for one of its ranks."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                         "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

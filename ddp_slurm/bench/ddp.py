@@ -19,6 +19,7 @@ the slower rank; a lone all-reduce of the gradients' size is timed too.
 
 The workers are ``python -m ddp_slurm.bench.ddp --worker``; they write their timings as JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,21 +29,28 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from .. import bootstrap, config, data, engine, models
-from ..signals import StopFlag
-from . import common
+from ddp_slurm import bootstrap, config
+from ddp_slurm.bench import common
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import step as engine
+from ddp_slurm.train.signals import StopFlag
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=models.MODELS, default="cnn")
     p.add_argument("--batch", type=int, default=128, help="per-rank batch (default 128)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda (nccl) with two or more GPUs, else cpu (gloo)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda (nccl) with two or more GPUs, else cpu (gloo)",
+    )
     p.add_argument("--steps", type=int, default=20, help="steps per measurement window (default 20)")
     p.add_argument("--windows", type=int, default=8, help="windows of each kind per launch (default 8)")
     p.add_argument("--repeats", type=int, default=2, help="launches (default 2)")
@@ -64,12 +72,35 @@ def launch(threads: int, device: str, args: argparse.Namespace, tmp: Path) -> li
     port, procs, outs = _free_port(), [], []
     for rank in range(WORLD):
         out, log = tmp / f"r{rank}-{port}.json", tmp / f"r{rank}-{port}.log"
-        env = common.child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                               LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                               OMP_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "ddp_slurm.bench.ddp", "--worker", "--out", str(out), "--device", device,
-               "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps),
-               "--windows", str(args.windows), "--warmup", str(args.warmup)]
+        env = common.child_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(WORLD),
+            LOCAL_WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(threads),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "ddp_slurm.bench.ddp",
+            "--worker",
+            "--out",
+            str(out),
+            "--device",
+            device,
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--steps",
+            str(args.steps),
+            "--windows",
+            str(args.windows),
+            "--warmup",
+            str(args.warmup),
+        ]
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
         outs.append((out, log))
@@ -104,11 +135,21 @@ def summarise(runs: list[list[dict[str, Any]]], batch: int) -> dict[str, Any]:
         alone.append(max(r["allreduce_s"] for r in ranks))
     step, compute = common.summary(steps)["median"], common.summary(computes)["median"]
     first = runs[0][0]
-    one = {"per_rank_samples_per_s": common.summary([batch / s for s in solo]), "step_s": common.summary(solo)["median"],
-           "threads_per_rank": first["threads"], "backend": "none (one process, no DDP)"}
-    two = {"per_rank_samples_per_s": common.summary([batch / s for s in steps]), "step_s": step, "compute_s": compute,
-           "communication_s": max(0.0, step - compute), "allreduce_alone_s": common.summary(alone)["median"],
-           "threads_per_rank": first["threads"], "backend": first["backend"]}
+    one = {
+        "per_rank_samples_per_s": common.summary([batch / s for s in solo]),
+        "step_s": common.summary(solo)["median"],
+        "threads_per_rank": first["threads"],
+        "backend": "none (one process, no DDP)",
+    }
+    two = {
+        "per_rank_samples_per_s": common.summary([batch / s for s in steps]),
+        "step_s": step,
+        "compute_s": compute,
+        "communication_s": max(0.0, step - compute),
+        "allreduce_alone_s": common.summary(alone)["median"],
+        "threads_per_rank": first["threads"],
+        "backend": first["backend"],
+    }
     return {"ranks_1": one, "ranks_2": two, "efficiency_per_window": common.summary(ratios)}
 
 
@@ -121,8 +162,17 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     per_rank = threads or max(1, cpus // 2)
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-bench-") as tmp:
         runs = [launch(per_rank, device, args, Path(tmp)) for _ in range(args.repeats)]
-    payload = common.header("ddp", device, per_rank, model=args.model, per_rank_batch=args.batch, steps=args.steps,
-                            windows=args.windows, repeats=args.repeats, cpus=cpus)
+    payload = common.header(
+        "ddp",
+        device,
+        per_rank,
+        model=args.model,
+        per_rank_batch=args.batch,
+        steps=args.steps,
+        windows=args.windows,
+        repeats=args.repeats,
+        cpus=cpus,
+    )
     payload.update(summarise(runs, args.batch))
     payload["efficiency"] = payload["efficiency_per_window"]["median"]
     if device == "cpu" and 2 * per_rank > cpus:
@@ -132,26 +182,41 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
 
 def render(p: dict[str, Any]) -> str:
     q, one, two = p["params"], p["ranks_1"], p["ranks_2"]
-    title = (f"bench ddp: {q['model']}, per-rank batch {q['per_rank_batch']}, {p['device']} ({two['backend']}), "
-             f"{p['threads']} thread(s) per rank; {q['repeats']} launch(es) x {q['windows']} windows of "
-             f"{q['steps']} steps, 1 and 2 ranks alternating")
-    rows = [["1", *common.fmt_spread(one["per_rank_samples_per_s"]), f"{1e3 * one['step_s']:.1f}", "-", "-", "-"],
-            ["2", *common.fmt_spread(two["per_rank_samples_per_s"]), f"{1e3 * two['step_s']:.1f}",
-             f"{1e3 * two['compute_s']:.1f}", f"{1e3 * two['communication_s']:.1f}",
-             f"{1e3 * two['allreduce_alone_s']:.2f}"]]
+    title = (
+        f"bench ddp: {q['model']}, per-rank batch {q['per_rank_batch']}, {p['device']} ({two['backend']}), "
+        f"{p['threads']} thread(s) per rank; {q['repeats']} launch(es) x {q['windows']} windows of "
+        f"{q['steps']} steps, 1 and 2 ranks alternating"
+    )
+    rows = [
+        ["1", *common.fmt_spread(one["per_rank_samples_per_s"]), f"{1e3 * one['step_s']:.1f}", "-", "-", "-"],
+        [
+            "2",
+            *common.fmt_spread(two["per_rank_samples_per_s"]),
+            f"{1e3 * two['step_s']:.1f}",
+            f"{1e3 * two['compute_s']:.1f}",
+            f"{1e3 * two['communication_s']:.1f}",
+            f"{1e3 * two['allreduce_alone_s']:.2f}",
+        ],
+    ]
     e = p["efficiency_per_window"]
-    notes = [f"weak-scaling efficiency at 2 ranks: {100 * p['efficiency']:.0f}% (median over windows of 1-rank step / "
-             f"2-rank step; {100 * e['min']:.0f}-{100 * e['max']:.0f}% across windows)",
-             f"threads: {p['threads']} per rank in both ({q['cpus']} CPUs / 2 ranks); giving the lone rank all "
-             f"{q['cpus']} would measure one process's use of {q['cpus']} cores, not DDP's cost",
-             "step = the training loop's step (DDP step + stop vote); compute = the same step on the bare model, "
-             "no collectives; communication = step - compute: the gradient all-reduce, the stop vote and "
-             "waiting for the slower rank; 'alone' = one all-reduce of the gradients' size",
-             f"load average {p['machine']['load_average_1m']}"]
+    notes = [
+        f"weak-scaling efficiency at 2 ranks: {100 * p['efficiency']:.0f}% (median over windows of 1-rank step / "
+        f"2-rank step; {100 * e['min']:.0f}-{100 * e['max']:.0f}% across windows)",
+        f"threads: {p['threads']} per rank in both ({q['cpus']} CPUs / 2 ranks); giving the lone rank all "
+        f"{q['cpus']} would measure one process's use of {q['cpus']} cores, not DDP's cost",
+        "step = the training loop's step (DDP step + stop vote); compute = the same step on the bare model, "
+        "no collectives; communication = step - compute: the gradient all-reduce, the stop vote and "
+        "waiting for the slower rank; 'alone' = one all-reduce of the gradients' size",
+        f"load average {p['machine']['load_average_1m']}",
+    ]
     if "warning" in p:
         notes.append("warning: " + p["warning"])
-    return common.table(title, ["ranks", "samples/s/rank", "min-max", "spread", "step ms", "compute ms",
-                                "comm ms", "alone ms"], rows, notes)
+    return common.table(
+        title,
+        ["ranks", "samples/s/rank", "min-max", "spread", "step ms", "compute ms", "comm ms", "alone ms"],
+        rows,
+        notes,
+    )
 
 
 def _batches(size: int, seed: int, G: int, rank: int, world: int, device: torch.device) -> Iterator[torch.Tensor]:
@@ -219,9 +284,11 @@ def worker(argv: list[str]) -> int:
                 dist.barrier()  # rank 1 waits here, idle, while rank 0 trains alone
             return seconds
 
-        kinds = {"solo_s": (lambda n: run(solo, solo_batches, solo_votes, n), True),
-                 "step_s": (lambda n: run(step, batches, votes, n), False),
-                 "compute_s": (lambda n: run(bare, batches, None, n), False)}
+        kinds = {
+            "solo_s": (lambda n: run(solo, solo_batches, solo_votes, n), True),
+            "step_s": (lambda n: run(step, batches, votes, n), False),
+            "compute_s": (lambda n: run(bare, batches, None, n), False),
+        }
         for fn, lone in kinds.values():
             window(fn, args.warmup, lone)
         times: dict[str, list[float]] = {name: [] for name in kinds}
@@ -231,9 +298,19 @@ def worker(argv: list[str]) -> int:
         grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
         reps = 20
         allreduce_s = window(lambda n: [dist.all_reduce(grads) for _ in range(n)], reps)
-        args.out.write_text(json.dumps({"rank": env.rank, "world": ws, "threads": torch.get_num_threads(),
-                                        "backend": backend, "device": str(device), **times,
-                                        "allreduce_s": allreduce_s}))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "rank": env.rank,
+                    "world": ws,
+                    "threads": torch.get_num_threads(),
+                    "backend": backend,
+                    "device": str(device),
+                    **times,
+                    "allreduce_s": allreduce_s,
+                }
+            )
+        )
     return 0
 
 

@@ -15,6 +15,7 @@ BLAS than about this training loop. That larger one (``--peak-size``, default 10
 and reported as ``fraction_of_peak``, the stricter figure. Step and matmul windows alternate, and the
 fractions are medians of per-round fractions, so a change in the machine's load hits both alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import config, data, models
-from . import common
-from .loader import FastPipeline
+from ddp_slurm import config
+from ddp_slurm.bench import common
+from ddp_slurm.bench.loader import FastPipeline
+from ddp_slurm.tasks.mnist import data, models
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,10 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--rounds", type=int, default=5, help="alternating matmul / step rounds (default 5)")
     p.add_argument("--seconds", type=float, default=0.5, help="length of each measurement window (default 0.5)")
-    p.add_argument("--matmul-size", type=int, default=None,
-                   help="n of the n x n matmul (default: the step's FLOPs per call, see the module doc)")
-    p.add_argument("--peak-size", type=int, default=1024,
-                   help="n of a large matmul measured alongside, for the machine's peak (default 1024)")
+    p.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help="n of the n x n matmul (default: the step's FLOPs per call, see the module doc)",
+    )
+    p.add_argument(
+        "--peak-size",
+        type=int,
+        default=1024,
+        help="n of a large matmul measured alongside, for the machine's peak (default 1024)",
+    )
 
 
 def forward_and_training_flops(model_name: str, batch: int) -> tuple[float, float]:
@@ -74,7 +84,8 @@ class MatmulRate:
         def many() -> None:
             for _ in range(self.calls):
                 self.one()
-        return 2 * self.n ** 3 * self.calls / common.timed(many, self.device)
+
+        return 2 * self.n**3 * self.calls / common.timed(many, self.device)
 
 
 def calibrate(fn, device: torch.device, seconds: float) -> int:
@@ -106,38 +117,61 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     fractions = [train_flops * s / f for s, f in zip(sample_rates, flops_rates)]
     fractions_counted = [counted * s / f for s, f in zip(sample_rates, flops_rates)]
     fractions_of_peak = [train_flops * s / f for s, f in zip(sample_rates, peak_rates)]
-    payload = common.header("limit", device, threads, model=args.model, batch=args.batch, rounds=args.rounds,
-                            matmul_size=n, peak_size=args.peak_size, window_s=args.seconds)
-    payload.update({
-        "forward_flops_per_sample": fwd, "training_flops_per_sample": train_flops,
-        "counted_training_flops_per_sample": counted,
-        "matmul_flops_per_s": common.summary(flops_rates), "samples_per_s": common.summary(sample_rates),
-        "fraction_of_limit": common.summary(fractions)["median"], "fraction_per_round": fractions,
-        "fraction_of_limit_counted": common.summary(fractions_counted)["median"],
-        "peak_matmul_flops_per_s": common.summary(peak_rates),
-        "fraction_of_peak": common.summary(fractions_of_peak)["median"],
-    })
+    payload = common.header(
+        "limit",
+        device,
+        threads,
+        model=args.model,
+        batch=args.batch,
+        rounds=args.rounds,
+        matmul_size=n,
+        peak_size=args.peak_size,
+        window_s=args.seconds,
+    )
+    payload.update(
+        {
+            "forward_flops_per_sample": fwd,
+            "training_flops_per_sample": train_flops,
+            "counted_training_flops_per_sample": counted,
+            "matmul_flops_per_s": common.summary(flops_rates),
+            "samples_per_s": common.summary(sample_rates),
+            "fraction_of_limit": common.summary(fractions)["median"],
+            "fraction_per_round": fractions,
+            "fraction_of_limit_counted": common.summary(fractions_counted)["median"],
+            "peak_matmul_flops_per_s": common.summary(peak_rates),
+            "fraction_of_peak": common.summary(fractions_of_peak)["median"],
+        }
+    )
     return payload
 
 
 def render(p: dict[str, Any]) -> str:
     q = p["params"]
     mm, sps = p["matmul_flops_per_s"], p["samples_per_s"]
-    title = (f"bench limit: {q['model']}, batch {q['batch']}, {p['device']}, {p['threads']} thread(s); "
-             f"{q['rounds']} alternating rounds of ~{q['window_s']:g} s")
-    rows = [[f"matmul {q['matmul_size']}x{q['matmul_size']} fp32, GFLOP/s",
-             *common.fmt_spread(common.scaled(mm, 1e-9), 1)],
-            [f"matmul {q['peak_size']}x{q['peak_size']} fp32 (peak), GFLOP/s",
-             *common.fmt_spread(common.scaled(p["peak_matmul_flops_per_s"], 1e-9), 1)],
-            ["training step, samples/s", *common.fmt_spread(sps)],
-            ["training step, GFLOP/s (3x forward)",
-             *common.fmt_spread(common.scaled(sps, p["training_flops_per_sample"] * 1e-9), 1)]]
-    notes = [f"fraction of the compute-bound limit: {100 * p['fraction_of_limit']:.0f}% "
-             f"(median of the per-round fractions: {', '.join(f'{100 * f:.0f}' for f in p['fraction_per_round'])})",
-             f"FLOPs per sample: forward {p['forward_flops_per_sample']:,.0f}, training 3x forward = "
-             f"{p['training_flops_per_sample']:,.0f}; counted forward+backward "
-             f"{p['counted_training_flops_per_sample']:,.0f} -> "
-             f"{100 * p['fraction_of_limit_counted']:.0f}% of the limit",
-             f"against the large matmul's rate: {100 * p['fraction_of_peak']:.0f}%",
-             f"load average {p['machine']['load_average_1m']}"]
+    title = (
+        f"bench limit: {q['model']}, batch {q['batch']}, {p['device']}, {p['threads']} thread(s); "
+        f"{q['rounds']} alternating rounds of ~{q['window_s']:g} s"
+    )
+    rows = [
+        [f"matmul {q['matmul_size']}x{q['matmul_size']} fp32, GFLOP/s", *common.fmt_spread(common.scaled(mm, 1e-9), 1)],
+        [
+            f"matmul {q['peak_size']}x{q['peak_size']} fp32 (peak), GFLOP/s",
+            *common.fmt_spread(common.scaled(p["peak_matmul_flops_per_s"], 1e-9), 1),
+        ],
+        ["training step, samples/s", *common.fmt_spread(sps)],
+        [
+            "training step, GFLOP/s (3x forward)",
+            *common.fmt_spread(common.scaled(sps, p["training_flops_per_sample"] * 1e-9), 1),
+        ],
+    ]
+    notes = [
+        f"fraction of the compute-bound limit: {100 * p['fraction_of_limit']:.0f}% "
+        f"(median of the per-round fractions: {', '.join(f'{100 * f:.0f}' for f in p['fraction_per_round'])})",
+        f"FLOPs per sample: forward {p['forward_flops_per_sample']:,.0f}, training 3x forward = "
+        f"{p['training_flops_per_sample']:,.0f}; counted forward+backward "
+        f"{p['counted_training_flops_per_sample']:,.0f} -> "
+        f"{100 * p['fraction_of_limit_counted']:.0f}% of the limit",
+        f"against the large matmul's rate: {100 * p['fraction_of_peak']:.0f}%",
+        f"load average {p['machine']['load_average_1m']}",
+    ]
     return common.table(title, ["measurement", "median", "min-max", "spread"], rows, notes)

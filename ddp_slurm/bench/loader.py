@@ -11,6 +11,7 @@ torch's default settings, ddp_slurm with ``engine.make_optimizer``), same batch 
 samples per round; rounds alternate A B A B after a warm-up of both, so a change in the machine's load
 hits both alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import config, data, engine, models
-from . import common
+from ddp_slurm import config
+from ddp_slurm.bench import common
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import step as engine
 
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -34,12 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=128, help="batch size of both pipelines (default 128)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--rounds", type=int, default=7, help="A B rounds after the warm-up (default 7)")
-    p.add_argument("--samples", type=int, default=4992,
-                   help="samples each pipeline trains per round, rounded down to full batches (default: one epoch)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=4992,
+        help="samples each pipeline trains per round, rounded down to full batches (default: one epoch)",
+    )
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps of each pipeline (default 10)")
-    p.add_argument("--workers", type=int, default=0,
-                   help="DataLoader worker processes of the seed pipeline (default 0: on a few cores, "
-                        "workers compete with the training step for them)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes of the seed pipeline (default 0: on a few cores, "
+        "workers compete with the training step for them)",
+    )
 
 
 def write_torchvision_layout(root: Path) -> Path:
@@ -64,15 +75,30 @@ def seed_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
 class SeedPipeline:
     """The loop of the seed documents and pytorch/examples' MNIST, with its data pipeline."""
 
-    def __init__(self, root: Path, model_name: str, optimizer: str, batch: int, lr: float, device: torch.device,
-                 workers: int, seed: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model_name: str,
+        optimizer: str,
+        batch: int,
+        lr: float,
+        device: torch.device,
+        workers: int,
+        seed: int,
+    ) -> None:
         from torch.utils.data import DataLoader
         from torchvision import datasets, transforms
 
         tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((data.MEAN,), (data.STD,))])
         dataset = datasets.MNIST(str(root), train=True, download=False, transform=tf)
-        self.loader = DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
-                                 pin_memory=device.type == "cuda")
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch,
+            shuffle=True,
+            drop_last=True,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+        )
         torch.manual_seed(seed)
         self.model = models.build(model_name).to(device)
         self.optimizer = seed_optimizer(optimizer, self.model.parameters(), lr)
@@ -103,8 +129,9 @@ class FastPipeline:
         self.optimizer_path = "fused" if optimizer.defaults.get("fused") else "foreach"
         scheduler = engine.make_scheduler(cfg.train, optimizer, total_steps)
         net = engine.wrap_ddp(self.model, device, world_size=1)
-        self.step = engine.make_step(net, optimizer, scheduler, self.train.images, self.train.labels,
-                                     cfg.train.precision)
+        self.step = engine.make_step(
+            net, optimizer, scheduler, self.train.images, self.train.labels, cfg.train.precision
+        )
         self.batch, self.device, self.seed = batch, device, seed
         self.steps_per_epoch = data.steps_per_epoch(len(self.train), batch)
         self.epoch, self.in_epoch = 0, 0
@@ -126,8 +153,16 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     steps = max(1, args.samples // args.batch)
     cfg = config.load(overrides=[f"model.name={args.model}", f"train.global_batch_size={args.batch}"])
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-bench-") as tmp:
-        seed_style = SeedPipeline(write_torchvision_layout(Path(tmp)), args.model, cfg.train.optimizer, args.batch,
-                                  cfg.train.lr, device, args.workers, cfg.run.seed)
+        seed_style = SeedPipeline(
+            write_torchvision_layout(Path(tmp)),
+            args.model,
+            cfg.train.optimizer,
+            args.batch,
+            cfg.train.lr,
+            device,
+            args.workers,
+            cfg.run.seed,
+        )
         fast = FastPipeline(cfg, args.batch, device, args.warmup + args.rounds * steps, cfg.run.seed)
         seed_style.run(args.warmup)
         fast.run(args.warmup)
@@ -136,24 +171,46 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             for name, pipe in (("seed", seed_style), ("ddp_slurm", fast)):
                 rates[name].append(steps * args.batch / common.timed(lambda: pipe.run(steps), device))
     a, b = common.summary(rates["seed"]), common.summary(rates["ddp_slurm"])
-    payload = common.header("loader", device, threads, model=args.model, batch=args.batch, rounds=args.rounds,
-                            samples_per_round=steps * args.batch, warmup_steps=args.warmup, workers=args.workers,
-                            optimizer=f"{cfg.train.optimizer} lr {cfg.train.lr:g} (ddp_slurm: {fast.optimizer_path})")
-    payload.update({"seed_samples_per_s": a, "ddp_slurm_samples_per_s": b, "ratio": b["median"] / a["median"],
-                    "ratio_per_round": [y / x for x, y in zip(rates["seed"], rates["ddp_slurm"])]})
+    payload = common.header(
+        "loader",
+        device,
+        threads,
+        model=args.model,
+        batch=args.batch,
+        rounds=args.rounds,
+        samples_per_round=steps * args.batch,
+        warmup_steps=args.warmup,
+        workers=args.workers,
+        optimizer=f"{cfg.train.optimizer} lr {cfg.train.lr:g} (ddp_slurm: {fast.optimizer_path})",
+    )
+    payload.update(
+        {
+            "seed_samples_per_s": a,
+            "ddp_slurm_samples_per_s": b,
+            "ratio": b["median"] / a["median"],
+            "ratio_per_round": [y / x for x, y in zip(rates["seed"], rates["ddp_slurm"])],
+        }
+    )
     return payload
 
 
 def render(p: dict[str, Any]) -> str:
     q = p["params"]
-    title = (f"bench loader: {q['model']}, batch {q['batch']}, {p['device']}, {p['threads']} thread(s); "
-             f"{q['rounds']} rounds of {q['samples_per_round']:,} samples each, A B A B after a warm-up")
-    rows = [["(a) seed-style: torchvision MNIST + ToTensor + Normalize + DataLoader",
-             *common.fmt_spread(p["seed_samples_per_s"])],
-            ["(b) ddp_slurm: engine.make_step, uint8 data on the device",
-             *common.fmt_spread(p["ddp_slurm_samples_per_s"])]]
-    notes = [f"ratio (b)/(a) of the medians: {p['ratio']:.1f}x  "
-             f"(per round: {', '.join(f'{r:.1f}' for r in p['ratio_per_round'])})",
-             f"same model and initial weights; optimizer {q['optimizer']}, the seed with torch's defaults; "
-             f"DataLoader workers={q['workers']}; load average {p['machine']['load_average_1m']}"]
+    title = (
+        f"bench loader: {q['model']}, batch {q['batch']}, {p['device']}, {p['threads']} thread(s); "
+        f"{q['rounds']} rounds of {q['samples_per_round']:,} samples each, A B A B after a warm-up"
+    )
+    rows = [
+        [
+            "(a) seed-style: torchvision MNIST + ToTensor + Normalize + DataLoader",
+            *common.fmt_spread(p["seed_samples_per_s"]),
+        ],
+        ["(b) ddp_slurm: engine.make_step, uint8 data on the device", *common.fmt_spread(p["ddp_slurm_samples_per_s"])],
+    ]
+    notes = [
+        f"ratio (b)/(a) of the medians: {p['ratio']:.1f}x  "
+        f"(per round: {', '.join(f'{r:.1f}' for r in p['ratio_per_round'])})",
+        f"same model and initial weights; optimizer {q['optimizer']}, the seed with torch's defaults; "
+        f"DataLoader workers={q['workers']}; load average {p['machine']['load_average_1m']}",
+    ]
     return common.table(title, ["pipeline", "samples/s median", "min-max", "spread"], rows, notes)

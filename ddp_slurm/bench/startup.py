@@ -12,6 +12,7 @@ prints a line, so both include the interpreter's own start and neither includes 
 
 The two alternate (torch, train, torch, train, ...), several times; the figures are medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import common
+from ddp_slurm.bench import common
 
 MARK = "ddp_slurm-bench-mark"
 TORCH_CHILD = f"import torch; print({MARK!r}, flush=True)"
@@ -81,12 +82,24 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             cwd = Path(tmp) / f"r{i}"
             cwd.mkdir()
             torch_s.append(time_to_mark([sys.executable, "-c", TORCH_CHILD], cwd, args.timeout, env))
-            train_s.append(time_to_mark([sys.executable, "-c", TRAIN_CHILD, *extra, *args.overrides,
-                                         f"run.name=startup-{i}"], cwd, args.timeout, env))
+            train_s.append(
+                time_to_mark(
+                    [sys.executable, "-c", TRAIN_CHILD, *extra, *args.overrides, f"run.name=startup-{i}"],
+                    cwd,
+                    args.timeout,
+                    env,
+                )
+            )
     a, b = common.summary(torch_s), common.summary(train_s)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # what the trainer picks (dist.backend auto)
-    payload = common.header("startup", device, threads, repeats=args.repeats,
-                            config=str(args.config) if args.config else None, overrides=list(args.overrides))
+    payload = common.header(
+        "startup",
+        device,
+        threads,
+        repeats=args.repeats,
+        config=str(args.config) if args.config else None,
+        overrides=list(args.overrides),
+    )
     payload.update({"import_torch_s": a, "first_step_s": b, "startup_ratio": b["median"] / a["median"]})
     return payload
 
@@ -94,10 +107,14 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 def render(p: dict[str, Any]) -> str:
     q = p["params"]
     title = f"bench startup: {q['repeats']} alternating runs of each, seconds from process start"
-    rows = [['python -c "import torch"  (until imported)', *common.fmt_spread(p["import_torch_s"], 2)],
-            ["python -m ddp_slurm.train  (until its first optimizer step)", *common.fmt_spread(p["first_step_s"], 2)]]
-    notes = [f"startup ratio: {p['startup_ratio']:.2f}x the time of importing torch "
-             f"({p['first_step_s']['median'] - p['import_torch_s']['median']:.2f} s more)",
-             f"training config: {q['config'] or 'built-in defaults'} {' '.join(q['overrides'])}".rstrip(),
-             f"load average {p['machine']['load_average_1m']}"]
+    rows = [
+        ['python -c "import torch"  (until imported)', *common.fmt_spread(p["import_torch_s"], 2)],
+        ["python -m ddp_slurm.train  (until its first optimizer step)", *common.fmt_spread(p["first_step_s"], 2)],
+    ]
+    notes = [
+        f"startup ratio: {p['startup_ratio']:.2f}x the time of importing torch "
+        f"({p['first_step_s']['median'] - p['import_torch_s']['median']:.2f} s more)",
+        f"training config: {q['config'] or 'built-in defaults'} {' '.join(q['overrides'])}".rstrip(),
+        f"load average {p['machine']['load_average_1m']}",
+    ]
     return common.table(title, ["command", "median s", "min-max", "spread"], rows, notes)

@@ -16,9 +16,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -26,10 +26,19 @@ HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "cluster"
 NODES = 4
 
-TERMINAL_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-    "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-})
+TERMINAL_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+    }
+)
 
 
 class SlurmError(RuntimeError):
@@ -57,19 +66,34 @@ class SlurmCluster:
     env: dict[str, str]
     nodes: list[str]
     state_dir: Path
-    addresses: dict[str, str] = field(default_factory=dict)   # node name -> its address
+    addresses: dict[str, str] = field(default_factory=dict)  # node name -> its address
     controller: str = ""
     partition: str = "debug"
     gpus_per_node: int = 2
     started_here: bool = False
 
     # ------------------------------------------------------------------ commands
-    def run(self, cmd: list[str], *, cwd: str | os.PathLike | None = None, timeout: float = 120,
-            check: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        cmd: list[str],
+        *,
+        cwd: str | os.PathLike | None = None,
+        timeout: float = 120,
+        check: bool = False,
+        input: str | None = None,
+    ) -> subprocess.CompletedProcess:
         """Run a command (sbatch, srun, squeue, scontrol, ...) against the cluster; text output captured."""
-        cp = subprocess.run([str(c) for c in cmd], cwd=cwd, env=self.env, text=True, input=input,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
-                            stdin=None if input is not None else subprocess.DEVNULL)
+        cp = subprocess.run(
+            [str(c) for c in cmd],
+            cwd=cwd,
+            env=self.env,
+            text=True,
+            input=input,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            timeout=timeout,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
         if check and cp.returncode != 0:
             raise SlurmError(f"{' '.join(map(str, cmd))} failed ({cp.returncode}):\n{cp.stdout}\n{cp.stderr}")
         return cp
@@ -97,8 +121,9 @@ class SlurmCluster:
         """Current JobState (e.g. PENDING, RUNNING, COMPLETED)."""
         return self.job_info(job_id)["JobState"]
 
-    def wait_state(self, job_id: str, states: set[str] | frozenset[str] | str, timeout: float = 120,
-                   poll: float = 0.3) -> dict[str, str]:
+    def wait_state(
+        self, job_id: str, states: set[str] | frozenset[str] | str, timeout: float = 120, poll: float = 0.3
+    ) -> dict[str, str]:
         """Wait until the job is in one of `states`; returns its job_info. Raises TimeoutError."""
         wanted = {states} if isinstance(states, str) else set(states)
         deadline = time.monotonic() + timeout
@@ -110,7 +135,8 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"job {job_id} not in {sorted(wanted)} after {timeout}s: JobState={info.get('JobState')} "
-                    f"Reason={info.get('Reason')}\n{self.log_tail()}")
+                    f"Reason={info.get('Reason')}\n{self.log_tail()}"
+                )
             time.sleep(poll)
 
     def wait(self, job_id: str, timeout: float = 120, poll: float = 0.3) -> str:
@@ -180,8 +206,14 @@ class SlurmCluster:
 
 
 def _cluster_cmd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CLUSTER), *args], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(CLUSTER), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _client_env(slurm_conf: str) -> dict[str, str]:
@@ -196,8 +228,9 @@ def _client_env(slurm_conf: str) -> dict[str, str]:
 
 def _missing_prerequisite(reason: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"Slurm test cluster cannot run (CI=true, so this fails instead of skipping): {reason}",
-                    pytrace=False)
+        pytest.fail(
+            f"Slurm test cluster cannot run (CI=true, so this fails instead of skipping): {reason}", pytrace=False
+        )
     print(f"\nSKIP slurm cluster tests: {reason}", file=sys.stderr)
     pytest.skip(f"Slurm test cluster unavailable: {reason}")
 
@@ -213,7 +246,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     if not started_here:
         info = _read_info()
         if info is None or len(info.get("nodes", [])) != NODES:
-            started_here = True          # up --nodes 4 below rebuilds it with the node count the tests need
+            started_here = True  # up --nodes 4 below rebuilds it with the node count the tests need
     up = _cluster_cmd("up", "--nodes", str(NODES), timeout=600)
     if up.returncode != 0:
         pytest.fail(f"`cluster up` failed ({up.returncode}):\n{up.stderr}\n{up.stdout}", pytrace=False)
@@ -251,7 +284,8 @@ def _read_info() -> dict | None:
 def pytest_configure(config: pytest.Config) -> None:
     if not any(str(m).startswith("cluster:") for m in config.getini("markers")):
         config.addinivalue_line(
-            "markers", "cluster: needs the real multi-node Slurm test cluster (root, slurm-wlm, munge, iproute2)")
+            "markers", "cluster: needs the real multi-node Slurm test cluster (root, slurm-wlm, munge, iproute2)"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

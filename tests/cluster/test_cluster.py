@@ -56,9 +56,11 @@ def test_node_names_resolve_from_every_node(slurm_cluster):
     (the first host of SLURM_JOB_NODELIST is the rendezvous address of a multi-node job)."""
     nodes = slurm_cluster.nodes
     script = "echo SELF $(hostname) $(hostname -I); " + "; ".join(
-        f"echo RES {n} $(getent ahostsv4 {n} | awk 'NR==1{{print $1}}')" for n in nodes)
-    cp = slurm_cluster.run(["srun", f"-N{len(nodes)}", f"-n{len(nodes)}", "--label", "bash", "-c", script],
-                           check=True, timeout=60)
+        f"echo RES {n} $(getent ahostsv4 {n} | awk 'NR==1{{print $1}}')" for n in nodes
+    )
+    cp = slurm_cluster.run(
+        ["srun", f"-N{len(nodes)}", f"-n{len(nodes)}", "--label", "bash", "-c", script], check=True, timeout=60
+    )
     seen_self = {}
     resolved: dict[str, dict[str, str]] = {}
     for line in cp.stdout.splitlines():
@@ -85,7 +87,9 @@ def test_node_exec_enters_a_node(slurm_cluster):
 
 def test_tcp_between_nodes(slurm_cluster, tmp_path):
     """A task on one node can connect to a task on another (what a DDP rendezvous does)."""
-    prog = _script(tmp_path / "pingpong.py", """
+    prog = _script(
+        tmp_path / "pingpong.py",
+        """
         import os, socket, subprocess, sys, time
         rank = int(os.environ["SLURM_PROCID"])
         first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
@@ -105,7 +109,8 @@ def test_tcp_between_nodes(slurm_cluster, tmp_path):
                 except OSError:
                     time.sleep(0.1)
             print("got", c.recv(100).decode(), "on", socket.gethostname())
-        """)
+        """,
+    )
     cp = slurm_cluster.run(["srun", "-N2", "-n2", "--label", sys.executable, str(prog)], timeout=90)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "pong from node" in cp.stdout, cp.stdout
@@ -113,8 +118,10 @@ def test_tcp_between_nodes(slurm_cluster, tmp_path):
 
 def test_batch_job_with_fake_gpus(slurm_cluster, tmp_path):
     out = tmp_path / "gpu.out"
-    job = slurm_cluster.sbatch(["-N2", "--gpus-per-node=2", "-o", str(out),
-                                "--wrap", "srun hostname; echo gpus=$SLURM_GPUS_ON_NODE"], cwd=tmp_path)
+    job = slurm_cluster.sbatch(
+        ["-N2", "--gpus-per-node=2", "-o", str(out), "--wrap", "srun hostname; echo gpus=$SLURM_GPUS_ON_NODE"],
+        cwd=tmp_path,
+    )
     assert slurm_cluster.wait(job, timeout=60) == "COMPLETED", slurm_cluster.job_info(job)
     assert slurm_cluster.exit_code(job) == (0, 0)
     text = out.read_text()
@@ -142,7 +149,9 @@ def test_scontrol_show_hostnames(slurm_cluster):
 
 def test_requeue_and_release(slurm_cluster, tmp_path):
     out = tmp_path / "requeue.out"
-    script = _script(tmp_path / "requeue.sh", """
+    script = _script(
+        tmp_path / "requeue.sh",
+        """
         #!/bin/bash
         #SBATCH --requeue
         #SBATCH --open-mode=append
@@ -153,7 +162,8 @@ def test_requeue_and_release(slurm_cluster, tmp_path):
             exit 1
         fi
         echo second-run-ok
-        """)
+        """,
+    )
     job = slurm_cluster.sbatch(["-o", str(out), str(script)], cwd=tmp_path)
     t0 = time.monotonic()
     # after the requeue the job is PENDING (Reason=BeginTime) with Restarts=1
@@ -176,12 +186,15 @@ def test_requeue_and_release(slurm_cluster, tmp_path):
 
 def test_scancel_signal_reaches_job_step(slurm_cluster, tmp_path):
     ready, got = tmp_path / "ready", tmp_path / "got"
-    step = _script(tmp_path / "step.sh", f"""
+    step = _script(
+        tmp_path / "step.sh",
+        f"""
         #!/bin/bash
         trap 'echo usr2 > {got}; exit 0' USR2
         echo $$ > {ready}
         while :; do sleep 0.2; done
-        """)
+        """,
+    )
     job = slurm_cluster.sbatch(["-o", str(tmp_path / "sig.out"), "--wrap", f"srun {step}"], cwd=tmp_path)
     _wait_for_file(ready, timeout=60)
     slurm_cluster.cancel(job, "--signal=USR2")

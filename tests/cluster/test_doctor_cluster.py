@@ -1,8 +1,8 @@
 """`srun python -m ddp_slurm.doctor` on the real multi-node test cluster: OK, and faults that must each
 end in a clear per-rank verdict and a non-zero exit instead of a hang."""
+
 from __future__ import annotations
 
-import random
 import re
 import subprocess
 import sys
@@ -20,8 +20,22 @@ SRUN_TIMEOUT = 600  # queueing behind other jobs and importing torch on shared c
 def srun(cluster, tmp_path: Path, nodes: str, *command: str, env: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """srun one task per node on exactly ``nodes`` (rank 0 on the first), output labelled by task."""
     n = len(nodes.split(","))
-    return cluster.run(["srun", f"-N{n}", f"-n{n}", f"--nodelist={nodes}", "--label", "--kill-on-bad-exit=0",
-                        "env", "OMP_NUM_THREADS=1", *env, *command], cwd=tmp_path, timeout=SRUN_TIMEOUT)
+    return cluster.run(
+        [
+            "srun",
+            f"-N{n}",
+            f"-n{n}",
+            f"--nodelist={nodes}",
+            "--label",
+            "--kill-on-bad-exit=0",
+            "env",
+            "OMP_NUM_THREADS=1",
+            *env,
+            *command,
+        ],
+        cwd=tmp_path,
+        timeout=SRUN_TIMEOUT,
+    )
 
 
 def verdicts(stdout: str) -> dict[int, str]:
@@ -35,8 +49,9 @@ def verdicts(stdout: str) -> dict[int, str]:
 
 
 def test_doctor_ok_on_four_nodes(slurm_cluster, tmp_path):
-    cp = slurm_cluster.run(["srun", "-N4", "-n4", "env", "OMP_NUM_THREADS=1", *DOCTOR], cwd=tmp_path,
-                           timeout=SRUN_TIMEOUT)
+    cp = slurm_cluster.run(
+        ["srun", "-N4", "-n4", "env", "OMP_NUM_THREADS=1", *DOCTOR], cwd=tmp_path, timeout=SRUN_TIMEOUT
+    )
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "doctor: verdict OK" in cp.stdout
     assert "4 rank(s) on 4 host(s), launcher slurm" in cp.stdout
@@ -68,13 +83,19 @@ def test_doctor_master_addr_on_the_wrong_node(slurm_cluster, tmp_path):
 def _take_port(cluster, node: str) -> tuple[subprocess.Popen, int]:
     """A program on ``node`` listening on a port (not a rendezvous); returns (process, port)."""
     pid = (cluster.state_dir / "run" / f"slurmd-{node}.pid").read_text().split()[0]
-    code = ("import socket, sys, random, time\n"
-            "for port in random.sample(range(30000, 32000), 50):\n"
-            "    try:\n        s = socket.create_server(('', port))\n        break\n"
-            "    except OSError:\n        continue\n"
-            "print(port, flush=True)\ntime.sleep(900)\n")
-    proc = subprocess.Popen(["nsenter", "-t", pid, "--net", "--uts", "--", PY, "-c", code], env=cluster.env,
-                            stdout=subprocess.PIPE, text=True)
+    code = (
+        "import socket, sys, random, time\n"
+        "for port in random.sample(range(30000, 32000), 50):\n"
+        "    try:\n        s = socket.create_server(('', port))\n        break\n"
+        "    except OSError:\n        continue\n"
+        "print(port, flush=True)\ntime.sleep(900)\n"
+    )
+    proc = subprocess.Popen(
+        ["nsenter", "-t", pid, "--net", "--uts", "--", PY, "-c", code],
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert line.strip().isdigit(), f"the port taker on {node} did not start: {line!r}"
     return proc, int(line)
@@ -108,8 +129,9 @@ def test_doctor_missing_rank(slurm_cluster, tmp_path):
 
 def test_doctor_wrong_world_size(slurm_cluster, tmp_path):
     # a hand-written launch line that sets torchrun-style variables with the wrong WORLD_SIZE
-    script = (f'RANK=$SLURM_PROCID LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 WORLD_SIZE=3 MASTER_PORT=29533 '
-              f'exec {" ".join(DOCTOR)}')
+    script = (
+        f"RANK=$SLURM_PROCID LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 WORLD_SIZE=3 MASTER_PORT=29533 exec {' '.join(DOCTOR)}"
+    )
     cp = srun(slurm_cluster, tmp_path, "node1,node2", "bash", "-c", script)
     assert cp.returncode != 0
     lines = verdicts(cp.stdout)

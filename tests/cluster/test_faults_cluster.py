@@ -20,6 +20,7 @@ Five jobs start together (module fixture); each test drives and judges one of th
 Processes are found from this machine through /proc (the nodes share its process table): a rank is
 the process whose environment has the job's SLURM_JOB_ID and its SLURM_PROCID.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,26 +29,41 @@ import os
 import re
 import signal
 import sys
-import textwrap
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
-from ddp_slurm import checkpoint, metrics
+from ddp_slurm.train import checkpoint, metrics
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = str(REPO / "jobs" / "mnist_sample.yaml")
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 JOB_TIMEOUT_S = 600.0  # per job: generous for a shared, busy machine; never a timing assertion by itself
 EVERY = 10
-TRAIN = ["model.name=mlp", "train.epochs=100", "train.log_every_steps=1", f"checkpoint.every_steps={EVERY}",
-         "checkpoint.keep=3", "slurm.requeue=false"]
+TRAIN = [
+    "model.name=mlp",
+    "train.epochs=100",
+    "train.log_every_steps=1",
+    f"checkpoint.every_steps={EVERY}",
+    "checkpoint.keep=3",
+    "slurm.requeue=false",
+]
 
 
 @dataclasses.dataclass
@@ -88,8 +104,9 @@ class Driver:
         self.jobs: list[Job] = []
 
     def submit(self, job: Job, args: list[str]) -> Job:
-        job.job_id = self.cluster.sbatch(["--job-name", job.name, "-o", f"{job.name}-%j.out",
-                                          "--open-mode=append", *args], cwd=self.workdir)
+        job.job_id = self.cluster.sbatch(
+            ["--job-name", job.name, "-o", f"{job.name}-%j.out", "--open-mode=append", *args], cwd=self.workdir
+        )
         self.jobs.append(job)
         return job
 
@@ -185,9 +202,19 @@ def kill_mid_training(d: Driver, job: Job, rank: int) -> tuple[int, str, dict[st
 
 def run_killed_srun(d: Driver) -> dict[str, Any]:
     job = Job("killed_srun", d.workdir)
-    sbatch = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
-              str(REPO / "sbatch" / "mnist_4node.sh"), "--config", SAMPLE,
-              f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "dist.timeout_s=30"]
+    sbatch = [
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=1",
+        "--cpus-per-task=1",
+        str(REPO / "sbatch" / "mnist_4node.sh"),
+        "--config",
+        SAMPLE,
+        f"run.output_root={d.workdir / 'runs'}",
+        f"run.name={job.name}",
+        *TRAIN,
+        "dist.timeout_s=30",
+    ]
     d.submit(job, sbatch)
     pid, node, before, killed = kill_mid_training(d, job, rank=1)
     d.finish(job)
@@ -203,8 +230,16 @@ def run_killed_srun(d: Driver) -> dict[str, Any]:
     d.wait_for(again, "a training step after the resume", lambda: again.rows()[-1]["kind"] == "train")
     d.cluster.cancel(again.job_id, "--signal=USR2")
     d.finish(again)
-    return {"job": job, "first": first, "pid": pid, "node": node, "took": took, "last_step": last_step,
-            "saved": saved, "again": again}
+    return {
+        "job": job,
+        "first": first,
+        "pid": pid,
+        "node": node,
+        "took": took,
+        "last_step": last_step,
+        "saved": saved,
+        "again": again,
+    }
 
 
 PLAIN = """\
@@ -261,9 +296,22 @@ def run_few_ranks(d: Driver) -> dict[str, Any]:
 def run_capped(d: Driver) -> dict[str, Any]:
     """The project's script, already at its requeue cap (slurm.max_requeues=0), gets Slurm's stop signal."""
     job = Job("capped", d.workdir)
-    d.submit(job, ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
-                   str(REPO / "sbatch" / "mnist_4node.sh"), "--config", SAMPLE, f"run.output_root={d.workdir / 'runs'}",
-                   f"run.name={job.name}", *[a for a in TRAIN if a != "slurm.requeue=false"], "slurm.max_requeues=0"])
+    d.submit(
+        job,
+        [
+            "--nodes=1",
+            "--ntasks-per-node=1",
+            "--gpus-per-node=1",
+            "--cpus-per-task=1",
+            str(REPO / "sbatch" / "mnist_4node.sh"),
+            "--config",
+            SAMPLE,
+            f"run.output_root={d.workdir / 'runs'}",
+            f"run.name={job.name}",
+            *[a for a in TRAIN if a != "slurm.requeue=false"],
+            "slurm.max_requeues=0",
+        ],
+    )
     d.wait_for(job, "a checkpoint", lambda: checkpoint.list_checkpoints(job.run_dir))
     d.cluster.cancel(job.job_id, "--signal=USR2")
     d.finish(job)
@@ -275,9 +323,13 @@ def run_capped(d: Driver) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def scenarios(slurm_cluster, tmp_path_factory) -> Iterator[dict[str, Future]]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("faults"))
-    plan = {"killed_srun": run_killed_srun, "killed_plain": run_killed_plain, "few_ranks": run_few_ranks,
-            "capped": run_capped,
-            "killed_store": lambda d: run_killed_plain(d, "killed_store", per_node=1, victim=0)}
+    plan = {
+        "killed_srun": run_killed_srun,
+        "killed_plain": run_killed_plain,
+        "few_ranks": run_few_ranks,
+        "capped": run_capped,
+        "killed_store": lambda d: run_killed_plain(d, "killed_store", per_node=1, victim=0),
+    }
     pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="fault-job")
     futures = {name: pool.submit(fn, d) for name, fn in plan.items()}
     try:
@@ -323,8 +375,11 @@ def test_rank_killed_without_kill_on_bad_exit_every_survivor_names_it(scenarios,
     lines = re.findall(r"^.*ERROR \[rank (\d) (node\d)\] (lost rank .*)$", text, re.M)
     assert {int(r) for r, _, _ in lines} == {0, 1, 3}, job.describe()
     for _, _, line in lines:
-        assert re.match(rf"lost rank 2 \(host {out['node']}, pid {pid}\): no heartbeat for \d+ s; "
-                        r"this rank's collective failed with: \S", line), line
+        assert re.match(
+            rf"lost rank 2 \(host {out['node']}, pid {pid}\): no heartbeat for \d+ s; "
+            r"this rank's collective failed with: \S",
+            line,
+        ), line
     assert "Traceback" not in text, job.describe()
     assert out["took"] <= 30 + 30, f"the survivors took {out['took']:.0f} s to exit (dist.timeout_s=30)"
 
@@ -338,9 +393,12 @@ def test_rank_zero_killed_the_survivor_names_it_by_its_lost_store(scenarios, rec
     text = job.text()
     assert job.info["JobState"] == "FAILED", job.describe()
     [line] = re.findall(r"^.*ERROR \[rank 1 node\d\] (lost .*)$", text, re.M)
-    assert re.match(rf"lost rank 0 \(host {out['node']}, pid {out['pid']}, store at {out['node']}:\d+\): the "
-                    r"rendezvous store it hosted is unreachable "
-                    r"\(.+\); this rank's collective failed with: \S", line), line
+    assert re.match(
+        rf"lost rank 0 \(host {out['node']}, pid {out['pid']}, store at {out['node']}:\d+\): the "
+        r"rendezvous store it hosted is unreachable "
+        r"\(.+\); this rank's collective failed with: \S",
+        line,
+    ), line
     assert "Traceback" not in text, job.describe()
     assert out["took"] <= 30 + 30, f"the survivor took {out['took']:.0f} s to exit (dist.timeout_s=30)"
 
@@ -349,8 +407,11 @@ def test_fewer_ranks_than_promised_time_out_naming_expected_and_arrived(scenario
     job = outcome(scenarios, "few_ranks")["job"]
     text = job.text()
     assert job.info["JobState"] == "FAILED", job.describe()
-    assert re.search(r"ERROR \[rank 0 node\d\] rank 0: rendezvous at node\d:\d+ timed out after 20 s: "
-                     r"expected 2 ranks, 1 arrived", text), job.describe()
+    assert re.search(
+        r"ERROR \[rank 0 node\d\] rank 0: rendezvous at node\d:\d+ timed out after 20 s: "
+        r"expected 2 ranks, 1 arrived",
+        text,
+    ), job.describe()
     assert "srun exited 1" in text and "Traceback" not in text, job.describe()
     assert not (job.run_dir / "checkpoints").exists()
 
@@ -360,8 +421,11 @@ def test_requeue_cap_reached_ends_the_job_with_exit_3_not_requeued(scenarios) ->
     text = job.text()
     assert job.info["JobState"] == "FAILED" and job.info["Restarts"] == "0", job.describe()
     assert job.info["ExitCode"] == "3:0", job.describe()
-    assert re.search(r"ERROR \[rank 0 node\d\] requeue cap reached \(0 requeues, slurm.max_requeues=0\): not "
-                     r"requeueing; checkpoint at step \d+ is on disk", text), job.describe()
+    assert re.search(
+        r"ERROR \[rank 0 node\d\] requeue cap reached \(0 requeues, slurm.max_requeues=0\): not "
+        r"requeueing; checkpoint at step \d+ is on disk",
+        text,
+    ), job.describe()
     assert "requeued Slurm job" not in text
     stop = [r for r in job.rows() if r["kind"] == "stop"]
     assert len(stop) == 1 and checkpoint.load_latest(job.run_dir)["step"] == stop[0]["step"]

@@ -21,23 +21,26 @@ and releases every requeued run at once instead of waiting out Slurm's requeue d
 
 Every run uses one thread per rank (``--cpus-per-task=1``), so reruns are bit-for-bit repeatable.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from ddp_slurm import checkpoint, config, data
+from ddp_slurm import config
 from ddp_slurm.bootstrap import expand_hostlist
+from ddp_slurm.tasks.mnist import data
+from ddp_slurm.train import checkpoint
 
 pytestmark = pytest.mark.cluster
 
@@ -54,8 +57,17 @@ SAMPLE_STEPS = _SAMPLE_CFG.train.epochs * STEPS_PER_EPOCH
 # --time=2 --signal=USR2@60 it comes 30-60 s after a run starts. The time-limit job must still be
 # training then, also on a fast machine, hence a longer training than the default for that pair.
 LONG_EPOCHS = 25
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 JOB_TIMEOUT_S = 900.0  # per job, all its runs together: generous for 2 busy cores
 
 
@@ -66,6 +78,7 @@ class Aborted(RuntimeError):
 @dataclasses.dataclass
 class Job:
     """One sbatch submission of a project script and everything needed to judge it afterwards."""
+
     name: str
     script: str  # file under sbatch/
     sbatch_args: list[str]
@@ -101,8 +114,10 @@ class Job:
         return self.log.read_text(errors="replace") if self.job_id and self.log.exists() else ""
 
     def describe(self) -> str:
-        return (f"job {self.name} ({self.job_id}): {self.info or '(no record)'}\n--- log {self.log}\n"
-                f"{self.log_text()[-6000:]}\n--- metrics\n" + "\n".join(map(str, self.rows()[-12:])))
+        return (
+            f"job {self.name} ({self.job_id}): {self.info or '(no record)'}\n--- log {self.log}\n"
+            f"{self.log_text()[-6000:]}\n--- metrics\n" + "\n".join(map(str, self.rows()[-12:]))
+        )
 
 
 class Driver:
@@ -120,18 +135,21 @@ class Driver:
         self.abort = threading.Event()
         self.submitted: list[Job] = []
 
-    def job(self, name: str, script: str, sbatch_args: list[str], train_args: list[str],
-            epochs: int | None = None) -> Job:
+    def job(
+        self, name: str, script: str, sbatch_args: list[str], train_args: list[str], epochs: int | None = None
+    ) -> Job:
         args = [f"run.output_root={self.workdir / 'runs'}", f"run.name={name}", *train_args]
         if epochs is None:
             return Job(name, script, sbatch_args, args, self.workdir)
-        return Job(name, script, sbatch_args, [*args, f"train.epochs={epochs}"], self.workdir,
-                   steps=epochs * STEPS_PER_EPOCH)
+        return Job(
+            name, script, sbatch_args, [*args, f"train.epochs={epochs}"], self.workdir, steps=epochs * STEPS_PER_EPOCH
+        )
 
     def submit(self, job: Job) -> Job:
         # Submitted from the work directory, not the repository: the scripts must find the project.
-        job.job_id = self.cluster.sbatch([*job.sbatch_args, str(REPO / "sbatch" / job.script), "--config", SAMPLE,
-                                          *job.train_args], cwd=self.workdir)
+        job.job_id = self.cluster.sbatch(
+            [*job.sbatch_args, str(REPO / "sbatch" / job.script), "--config", SAMPLE, *job.train_args], cwd=self.workdir
+        )
         self.submitted.append(job)
         return job
 
@@ -175,9 +193,11 @@ class Driver:
 
     def training_underway(self, job: Job, restart: int) -> Callable[[], bool]:
         """True once run ``restart`` of the job has logged its first training window."""
+
         def check() -> bool:
             starts = [i for i, r in enumerate(job.rows()) if r["kind"] == "start" and r["restart_count"] == restart]
-            return bool(starts) and any(r["kind"] == "train" for r in job.rows()[starts[-1]:])
+            return bool(starts) and any(r["kind"] == "train" for r in job.rows()[starts[-1] :])
+
         return check
 
     def cancel_all(self) -> None:
@@ -212,14 +232,18 @@ def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Future]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("sbatch"))
     four_node, mlp = ["--nodes=4", *PER_NODE], ["model.name=mlp"]
     plan = {  # submission order: the time-limit pair first, side by side, so they slow each other equally
-        "time_limit": (run_plain, d.job("time_limit", "mnist_4node.sh",
-                                        [*four_node, "--time=2", "--signal=USR2@60"], [], epochs=LONG_EPOCHS)),
+        "time_limit": (
+            run_plain,
+            d.job("time_limit", "mnist_4node.sh", [*four_node, "--time=2", "--signal=USR2@60"], [], epochs=LONG_EPOCHS),
+        ),
         "ref_long": (run_plain, d.job("ref_long", "mnist_4node.sh", four_node, [], epochs=LONG_EPOCHS)),
         "ref_cnn": (run_plain, d.job("ref_cnn", "mnist_4node.sh", four_node, [])),
         "ref_torchrun": (run_plain, d.job("ref_torchrun", "mnist_torchrun.sh", four_node, mlp)),
         "usr2_torchrun": (run_scancel_usr2, d.job("usr2_torchrun", "mnist_torchrun.sh", four_node, mlp)),
-        "sigterm_2node": (run_scontrol_requeue, d.job("sigterm_2node", "mnist_4node.sh",
-                                                      ["--nodes=2", *PER_NODE], mlp)),
+        "sigterm_2node": (
+            run_scontrol_requeue,
+            d.job("sigterm_2node", "mnist_4node.sh", ["--nodes=2", *PER_NODE], mlp),
+        ),
     }
     pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="slurm-job")
     futures = {}
@@ -300,13 +324,32 @@ def assert_same_weights(job: Job, reference: Job) -> None:
 def test_expand_hostlist_agrees_with_scontrol(slurm_cluster):
     """The node lists Slurm gives a job, and a few other shapes, expand like `scontrol show hostnames`."""
     # A real, non-contiguous allocation: its node list as the job's own environment has it.
-    cp = slurm_cluster.run(["srun", "-N3", "--exclude=node2", "--ntasks-per-node=1", "--cpus-per-task=1",
-                            "bash", "-c", "echo $SLURM_JOB_NODELIST $SLURM_STEP_NODELIST"],
-                           check=True, timeout=300)
+    cp = slurm_cluster.run(
+        [
+            "srun",
+            "-N3",
+            "--exclude=node2",
+            "--ntasks-per-node=1",
+            "--cpus-per-task=1",
+            "bash",
+            "-c",
+            "echo $SLURM_JOB_NODELIST $SLURM_STEP_NODELIST",
+        ],
+        check=True,
+        timeout=300,
+    )
     captured = set(cp.stdout.split())
     assert captured == {"node[1,3-4]"}, cp.stdout
-    variants = [*captured, "node[1-4]", "node[1-2],node4", "node1,node3", "node[4,1-2]", "node[01-04]",
-                "node[008-011],node2", "n[9-11],node[3]"]
+    variants = [
+        *captured,
+        "node[1-4]",
+        "node[1-2],node4",
+        "node1,node3",
+        "node[4,1-2]",
+        "node[01-04]",
+        "node[008-011],node2",
+        "n[9-11],node[3]",
+    ]
     for text in variants:
         want = slurm_cluster.run(["scontrol", "show", "hostnames", text], check=True).stdout.split()
         assert expand_hostlist(text) == want, text

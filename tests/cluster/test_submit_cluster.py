@@ -4,6 +4,7 @@ mid-run that requeues the job once and resumes it to bit-identical weights, and 
 The uninterrupted 4-node run is the reference of the interrupted one (same config, other run name),
 so the cluster runs it only once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,14 +13,14 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 
-from ddp_slurm.checkpoint import load_latest
+from ddp_slurm.train.checkpoint import load_latest
 
 pytestmark = pytest.mark.cluster
 
@@ -48,8 +49,15 @@ def parse(res: subprocess.CompletedProcess, cwd: Path) -> Submitted:
 
 def submit(cluster, cwd: Path, *args: str, timeout: float = 900, **env: str) -> Submitted:
     """Run the submit command against the cluster (``env``: extra variables for it)."""
-    res = subprocess.run([sys.executable, "-m", "ddp_slurm.submit", *args], cwd=cwd, env={**submit_env(cluster), **env},
-                         text=True, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.submit", *args],
+        cwd=cwd,
+        env={**submit_env(cluster), **env},
+        text=True,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=timeout,
+    )
     return parse(res, cwd)
 
 
@@ -100,9 +108,15 @@ def following(cluster, cwd: Path, *args: str) -> Iterator[tuple[subprocess.Popen
     """``submit --wait ARGS`` in the background; yields it once the job runs and has trained 20 steps."""
     out = cwd / f"wait-{time.monotonic_ns()}.out"
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ddp_slurm.submit", "--wait", *args], cwd=cwd,
-                                env=submit_env(cluster), text=True, stdin=subprocess.DEVNULL, stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_slurm.submit", "--wait", *args],
+            cwd=cwd,
+            env=submit_env(cluster),
+            text=True,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 120
         while not re.search(r"^run directory: ", out.read_text(), re.M):
@@ -112,8 +126,10 @@ def following(cluster, cwd: Path, *args: str) -> Iterator[tuple[subprocess.Popen
         # The job may wait for nodes that other tests' jobs hold.
         cluster.wait_state(sub.job_id, "RUNNING", timeout=600)
         deadline = time.monotonic() + 240
-        while not ((sub.run_dir / "metrics.jsonl").exists()
-                   and any(r["kind"] == "train" and r["step"] >= 20 for r in rows(sub.run_dir))):
+        while not (
+            (sub.run_dir / "metrics.jsonl").exists()
+            and any(r["kind"] == "train" and r["step"] >= 20 for r in rows(sub.run_dir))
+        ):
             assert time.monotonic() < deadline, f"training did not reach step 20: {cluster.job_info(sub.job_id)}"
             time.sleep(0.2)
         yield proc, out, sub
@@ -141,8 +157,10 @@ def test_usr2_mid_run_requeues_once_and_resumes_bit_identical(slurm_cluster, fou
     stops = [r for r in kinds if r["kind"] == "stop"]
     starts = [r for r in kinds if r["kind"] == "start"]
     assert len(stops) == 1 and stops[0]["requeue"] and 20 <= stops[0]["step"] < 100, stops
-    assert [(s["resumed"], s["restart_count"], s["step"]) for s in starts] == [(False, 0, 0),
-                                                                             (True, 1, stops[0]["step"])]
+    assert [(s["resumed"], s["restart_count"], s["step"]) for s in starts] == [
+        (False, 0, 0),
+        (True, 1, stops[0]["step"]),
+    ]
     assert kinds[-1]["kind"] == "end" and kinds[-1]["step"] == 100
     log0 = (sub.run_dir / "submitit" / sub.job_id / f"{sub.job_id}_0_log.out").read_text()
     assert log0.count(f"requeued Slurm job {sub.job_id}") == 1  # training's requeue, once
@@ -157,15 +175,26 @@ def test_usr2_mid_run_requeues_once_and_resumes_bit_identical(slurm_cluster, fou
 
 def test_requeue_cap_ends_the_job_with_exit_3(slurm_cluster, tmp_path) -> None:
     # One rank on one node, long enough (in steps) to be stopped mid-run; no requeue is allowed.
-    args = ["--nodes", "1", "--cpus-per-task", "2", "--name", "capped", "model.name=mlp", "train.epochs=30",
-            "train.log_every_steps=10", "slurm.max_requeues=0"]
+    args = [
+        "--nodes",
+        "1",
+        "--cpus-per-task",
+        "2",
+        "--name",
+        "capped",
+        "model.name=mlp",
+        "train.epochs=30",
+        "train.log_every_steps=10",
+        "slurm.max_requeues=0",
+    ]
     with following(slurm_cluster, tmp_path, *args) as (follower, out, sub):
         slurm_cluster.cancel(sub.job_id, "--signal=USR2")
         code = follower.wait(timeout=300)
     text = out.read_text()
     assert code == 3, text[-3000:]
-    assert "rank 0 failed: training exited 3 on rank 0 (requeue cap reached (slurm.max_requeues)): " in text, \
-        text[-2000:]
+    assert "rank 0 failed: training exited 3 on rank 0 (requeue cap reached (slurm.max_requeues)): " in text, text[
+        -2000:
+    ]
     info = slurm_cluster.job_info(sub.job_id)
     assert info["Restarts"] == "0" and info["JobState"] == "FAILED", info
     assert [r["kind"] for r in rows(sub.run_dir)][-1] == "stop"  # the checkpoint is there to resume by hand
@@ -176,9 +205,23 @@ def test_sweep_of_three_is_a_job_array_with_three_run_directories(slurm_cluster,
     values = ["1e-3", "3e-3", "1e-2"]
     # Leftovers of a torchrun session in the submitting shell (sbatch exports it) must not reach the tasks.
     leftovers = {"RANK": "3", "WORLD_SIZE": "7", "MASTER_ADDR": "localhost"}
-    sub = submit(slurm_cluster, tmp_path, "--nodes", "1", "--cpus-per-task", "2", "--name", "lrs", "--wait",
-                 "--sweep", "train.lr=" + ",".join(values), "model.name=mlp", "train.max_steps=20", "train.epochs=1",
-                 **leftovers)
+    sub = submit(
+        slurm_cluster,
+        tmp_path,
+        "--nodes",
+        "1",
+        "--cpus-per-task",
+        "2",
+        "--name",
+        "lrs",
+        "--wait",
+        "--sweep",
+        "train.lr=" + ",".join(values),
+        "model.name=mlp",
+        "train.max_steps=20",
+        "train.epochs=1",
+        **leftovers,
+    )
     assert sub.res.returncode == 0, sub.res.stdout + sub.res.stderr
     root = tmp_path / "runs" / "lrs"
     assert sub.run_dir == root

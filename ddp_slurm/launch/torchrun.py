@@ -28,6 +28,7 @@ the agent then forwards SIGUSR2 as well, but treats it as a shutdown: it kills w
 after the shutdown timeout and exits with a traceback. This launcher lets the workers end on their
 own and works with every torch release the package supports.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,9 +36,9 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
-from typing import Iterable
 
 log = logging.getLogger("ddp_slurm.launch")
 
@@ -58,7 +59,7 @@ def child_pids(parent: int) -> list[int]:
         except OSError:  # the process ended while we looked
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 1 and int(fields[1]) == parent:
             children.append(int(entry.name))
     return children
@@ -71,7 +72,7 @@ class SignalForwarder:
         self.signals = tuple(signals)
         self.received: list[signal.Signals] = []
 
-    def install(self) -> "SignalForwarder":
+    def install(self) -> SignalForwarder:
         for sig in self.signals:
             signal.signal(sig, self._forward)
         return self
@@ -117,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             torchrun.run(args)
         except ChildFailedError as exc:
             if _stopped(exc):
-                log.info("all workers stopped on a signal after a checkpoint: exit %d (launch again to resume)",
-                         EXIT_STOPPED)
+                log.info(
+                    "all workers stopped on a signal after a checkpoint: exit %d (launch again to resume)", EXIT_STOPPED
+                )
                 return EXIT_STOPPED
             raise
         except SignalException as exc:

@@ -6,23 +6,24 @@ each tensor; multi-tensor ``foreach`` where torch has no fused kernel for the de
 trains without the DDP wrapper (nothing to all-reduce), and nothing in the step waits for the device
 (the loss stays a tensor; the caller syncs when it logs). ``python -m ddp_slurm.bench`` measures it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TrainConfig
-from .data import Split, eval_shard, normalize
-from .signals import StopFlag
-
+from ddp_slurm.config import TrainConfig
+from ddp_slurm.tasks.mnist.data import Split, eval_shard, normalize
+from ddp_slurm.train.signals import StopFlag
 
 _PLAIN_METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
 
@@ -65,8 +66,9 @@ def make_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opti
             return eager(torch.optim.Adam)(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
         if cfg.optimizer == "adamw":
             return eager(torch.optim.AdamW)(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fast)
-        return eager(torch.optim.SGD)(params, lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay,
-                                      **fast)
+        return eager(torch.optim.SGD)(
+            params, lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay, **fast
+        )
 
     try:
         return build(fused=True)
@@ -91,16 +93,22 @@ def wrap_ddp(model: nn.Module, device: torch.device, world_size: int) -> nn.Modu
     if world_size == 1:
         return model
     fields = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
-    no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in fields else {"broadcast_buffers": False}
+    no_buffer_sync = (
+        {"forward_sync_buffers": False} if "forward_sync_buffers" in fields else {"broadcast_buffers": False}
+    )
     cap = bucket_cap_mb(model)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                    gradient_as_bucket_view=True, **no_buffer_sync,
-                                                    **({"bucket_cap_mb": cap} if cap is not None else {}))
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        **no_buffer_sync,
+        **({"bucket_cap_mb": cap} if cap is not None else {}),
+    )
     settle_buckets(ddp, model, device)
     return ddp
 
 
-DDP_FIRST_BUCKET_BYTES = 1024 ** 2  # DDP's default size of its first bucket (the others: 25 MiB)
+DDP_FIRST_BUCKET_BYTES = 1024**2  # DDP's default size of its first bucket (the others: 25 MiB)
 
 
 def bucket_cap_mb(model: nn.Module) -> float | None:
@@ -116,7 +124,7 @@ def bucket_cap_mb(model: nn.Module) -> float | None:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if grad_bytes == 0 or grad_bytes > DDP_FIRST_BUCKET_BYTES:
         return None
-    return grad_bytes / 2 / 2 ** 20
+    return grad_bytes / 2 / 2**20
 
 
 def settle_buckets(ddp: nn.Module, model: nn.Module, device: torch.device) -> None:
@@ -137,8 +145,9 @@ def settle_buckets(ddp: nn.Module, model: nn.Module, device: torch.device) -> No
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
     if cfg.schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, total_steps=max(total_steps, 2),
-                                                   pct_start=0.25, cycle_momentum=False)
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=cfg.lr, total_steps=max(total_steps, 2), pct_start=0.25, cycle_momentum=False
+        )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
@@ -148,8 +157,14 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, images: torch.Tensor,
-              labels: torch.Tensor, precision: str = "fp32") -> Callable[[torch.Tensor], torch.Tensor]:
+def make_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    precision: str = "fp32",
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """Return ``step(indices) -> loss`` training on ``images[indices]`` (data already on the device).
 
     ``indices`` should already be on the device too (move the epoch's permutation once, not each batch).
@@ -174,8 +189,9 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ima
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test: Split, rank: int, world_size: int, precision: str = "fp32",
-             batch: int = 256) -> tuple[float, int, float]:
+def evaluate(
+    model: nn.Module, test: Split, rank: int, world_size: int, precision: str = "fp32", batch: int = 256
+) -> tuple[float, int, float]:
     """Exact distributed evaluation: every test image counted once whatever the world size.
 
     ``model`` must be the bare module, not the DDP wrapper (ranks hold shards of unequal size). Every
@@ -193,8 +209,8 @@ def evaluate(model: nn.Module, test: Split, rank: int, world_size: int, precisio
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct, count, summed loss
     with autocast(device, precision):
         for i in range(start, stop, batch):
-            x = normalize(test.images[i:min(i + batch, stop)])
-            y = test.labels[i:min(i + batch, stop)]
+            x = normalize(test.images[i : min(i + batch, stop)])
+            y = test.labels[i : min(i + batch, stop)]
             logits = model(x).float()
             totals[0] += (logits.argmax(1) == y).sum()
             totals[1] += y.numel()
@@ -254,6 +270,9 @@ class StopVote:
         requeue, terminate, bad = (v > 0 for v in flags.tolist())
         if bad and not self.bad:
             value = loss.item() if loss is not None else float("nan")
-            self.bad = (f"loss is {value} at step {step}" if not math.isfinite(value)
-                        else f"loss is not finite on another rank at step {step}")
+            self.bad = (
+                f"loss is {value} at step {step}"
+                if not math.isfinite(value)
+                else f"loss is not finite on another rank at step {step}"
+            )
         return requeue, terminate, bad

@@ -8,17 +8,19 @@ Each point is a complete run: it resumes, requeues and reports like any other.
 ``summarize`` reads a run's ``metrics.jsonl`` (no torch needed) and ``format_table`` lines runs up
 side by side; ``python -m ddp_slurm.submit --summary DIR`` prints it for a sweep or a single run.
 """
+
 from __future__ import annotations
 
 import itertools
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from . import metrics
-from .config import ConfigError
+from ddp_slurm.config import ConfigError
+from ddp_slurm.train import metrics
 
 SWEEP_FILE = "sweep.json"
 
@@ -26,6 +28,7 @@ SWEEP_FILE = "sweep.json"
 @dataclass(frozen=True)
 class Point:
     """One run of a sweep: its run name (a directory under the sweep) and the overrides that make it."""
+
     name: str
     overrides: tuple[str, ...]
 
@@ -60,15 +63,20 @@ def points(specs: Iterable[str]) -> list[Point]:
         name = ",".join(f"{label}={_safe(v)}" for label, v in zip(labels, combo))
         out.append(Point(name, tuple(f"{k}={v}" for k, v in zip(keys, combo))))
     if len({p.name for p in out}) != len(out):
-        raise ConfigError("--sweep values differ only in characters a directory name cannot hold: "
-                          "use values that differ in letters, digits, '.', '+' or '-'")
+        raise ConfigError(
+            "--sweep values differ only in characters a directory name cannot hold: "
+            "use values that differ in letters, digits, '.', '+' or '-'"
+        )
     return out
 
 
 def write_manifest(sweep_dir: Path, job_id: str, pts: list[Point], base_overrides: list[str]) -> None:
     """``sweep.json``: the job and, per array task, the run it trains (read back by ``--summary``)."""
-    data = {"job_id": job_id, "overrides": base_overrides,
-            "runs": [{"task": i, "name": p.name, "overrides": list(p.overrides)} for i, p in enumerate(pts)]}
+    data = {
+        "job_id": job_id,
+        "overrides": base_overrides,
+        "runs": [{"task": i, "name": p.name, "overrides": list(p.overrides)} for i, p in enumerate(pts)],
+    }
     sweep_dir.mkdir(parents=True, exist_ok=True)
     tmp = sweep_dir / (SWEEP_FILE + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -78,6 +86,7 @@ def write_manifest(sweep_dir: Path, job_id: str, pts: list[Point], base_override
 @dataclass
 class RunSummary:
     """Where a run stands, from its metrics.jsonl."""
+
     name: str
     run_dir: str
     status: str  # "pending" (nothing written yet), "running", "stopped", "finished"
@@ -125,8 +134,19 @@ def format_table(rows: list[RunSummary], columns: dict[str, list[str]] | None = 
     """Runs side by side; ``columns`` adds one column per swept key (header -> value per row)."""
     columns = columns or {}
     header = ["run", *columns, "status", "steps", "final acc", "best acc", "restarts", "time"]
-    body = [[r.name, *(vals[i] for vals in columns.values()), r.status, str(r.step), _pct(r.final_accuracy),
-             _pct(r.best_accuracy), str(r.restarts), f"{r.time_s:.0f}s"] for i, r in enumerate(rows)]
+    body = [
+        [
+            r.name,
+            *(vals[i] for vals in columns.values()),
+            r.status,
+            str(r.step),
+            _pct(r.final_accuracy),
+            _pct(r.best_accuracy),
+            str(r.restarts),
+            f"{r.time_s:.0f}s",
+        ]
+        for i, r in enumerate(rows)
+    ]
     widths = [max(len(line[c]) for line in [header, *body]) for c in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *body])
 

@@ -1,4 +1,5 @@
 """The two example models. Both take standardised images ``float32 [B, 1, 28, 28]``."""
+
 from __future__ import annotations
 
 import torch
@@ -33,12 +34,19 @@ class CNN(nn.Sequential):
     def __init__(self, width: int = 24) -> None:
         w = width
         super().__init__(
-            nn.Conv2d(1, w, 5, stride=2, padding=2, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True),  # 14x14
-            nn.Conv2d(w, 2 * w, 3, padding=1, bias=False), nn.BatchNorm2d(2 * w), nn.ReLU(inplace=True),
+            nn.Conv2d(1, w, 5, stride=2, padding=2, bias=False),
+            nn.BatchNorm2d(w),
+            nn.ReLU(inplace=True),  # 14x14
+            nn.Conv2d(w, 2 * w, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * w),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(2),  # 7x7
-            nn.Conv2d(2 * w, 4 * w, 3, padding=1, bias=False), nn.BatchNorm2d(4 * w), nn.ReLU(inplace=True),
+            nn.Conv2d(2 * w, 4 * w, 3, padding=1, bias=False),
+            nn.BatchNorm2d(4 * w),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(2),  # 3x3
-            nn.Flatten(), nn.Linear(4 * w * 9, 10),
+            nn.Flatten(),
+            nn.Linear(4 * w * 9, 10),
         )
         self.width = w
         self.to(memory_format=torch.channels_last)  # the weights too: no layout conversion per call

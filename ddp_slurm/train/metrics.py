@@ -3,11 +3,13 @@
 Every line has ``kind``, ``step``, ``epoch`` and ``time_s`` (training wall time, accumulated over
 restarts). Kinds: ``start`` (each launch), ``train``, ``eval``, ``stop`` (stop signal), ``end``.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 class MetricsWriter:

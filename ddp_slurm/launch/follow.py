@@ -7,6 +7,7 @@ error (``TrainingFailed`` and the exit code in its message), or none, which mean
 on a signal with a checkpoint (metrics.jsonl ends with a ``stop`` line) or died (killed, node lost).
 A requeued job is not over: it goes back to PENDING, its log is appended to, and following goes on.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,16 +15,28 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
-from .sweep import summarize
+from ddp_slurm.launch.sweep import summarize
 
 EXIT_STOPPED = 75
 # Job states after which Slurm will not run the job again (a requeued job goes back to PENDING).
-_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-          "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
+_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 
 
 @dataclass
@@ -111,8 +124,12 @@ def settle(job: Any, cluster: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-def wait_for(jobs: list[Any], cluster: str, on_poll: Callable[[], None] = lambda: None,
-             on_done: Callable[[Any], None] = lambda job: None) -> None:
+def wait_for(
+    jobs: list[Any],
+    cluster: str,
+    on_poll: Callable[[], None] = lambda: None,
+    on_done: Callable[[Any], None] = lambda job: None,
+) -> None:
     """Block until every job has a result from each task or has ended. Result files are checked every
     second; the scheduler is asked less and less often (2 s, then up to every 15 s)."""
     pending = list(jobs)
@@ -141,12 +158,15 @@ def wait_for(jobs: list[Any], cluster: str, on_poll: Callable[[], None] = lambda
 def finished_message(result: dict[str, Any]) -> str:
     """One line from rank 0's result (``TrainJob``'s return value)."""
     acc = result.get("final_accuracy")
-    return (f"finished: {result['step']} steps, final test accuracy {'n/a' if acc is None else f'{100 * acc:.2f}%'}; "
-            f"run directory {result['run_dir']}")
+    return (
+        f"finished: {result['step']} steps, final test accuracy {'n/a' if acc is None else f'{100 * acc:.2f}%'}; "
+        f"run directory {result['run_dir']}"
+    )
 
 
-STOPPED_MESSAGE = ("stopped on a signal with a checkpoint at step {step} and not requeued: "
-                   "submit the same command again to resume")
+STOPPED_MESSAGE = (
+    "stopped on a signal with a checkpoint at step {step} and not requeued: submit the same command again to resume"
+)
 
 
 def outcome(job: Any, run_dir: Path, cluster: str) -> Outcome:
@@ -161,16 +181,21 @@ def outcome(job: Any, run_dir: Path, cluster: str) -> Outcome:
         lines = [line for line in str(trace).strip().splitlines() if line.strip()]
         reason = lines[-1].split(": ", 1)[-1] if lines else "unknown error"
         match = re.search(r"training exited (\d+) on rank", reason)
-        return Outcome(int(match[1]) if match else 1, f"rank {task} failed: {reason}",
-                       last_lines(job.task(task).paths.stdout))
+        return Outcome(
+            int(match[1]) if match else 1, f"rank {task} failed: {reason}", last_lines(job.task(task).paths.stdout)
+        )
     run = summarize(run_dir)
     if run.status == "stopped":
         return Outcome(EXIT_STOPPED, STOPPED_MESSAGE.format(step=run.step), [])
     if run.status == "finished":
         return Outcome(0, f"finished: {run.step} steps (no result file); run directory {run_dir}", [])
     state = slurm_state(job.job_id) if cluster == "slurm" else None
-    return Outcome(1, f"job {job.job_id} ended{f' ({state})' if state else ''} without a result: killed, "
-                      "cancelled or lost its node; rank 0's last lines above", last_lines(job.task(0).paths.stdout))
+    return Outcome(
+        1,
+        f"job {job.job_id} ended{f' ({state})' if state else ''} without a result: killed, "
+        "cancelled or lost its node; rank 0's last lines above",
+        last_lines(job.task(0).paths.stdout),
+    )
 
 
 def report(result: Outcome, out: TextIO | None = None) -> int:

@@ -6,6 +6,7 @@ of 64 is found in one grep. Interactive runs (stderr is a terminal) get a tqdm b
 tqdm rather than rich: it is small, imports fast (startup time matters to every rank) and degrades to
 nothing when told to.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,11 @@ import time
 from typing import Any
 
 # What gloo/NCCL say on a surviving rank when another rank has gone (crashed, killed, stopped answering).
-_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|timed out waiting|connection refused|"
-                        r"remote process exiting|communicator was aborted", re.IGNORECASE)
+_PEER_GONE = re.compile(
+    r"closed by peer|reset by peer|broken pipe|timed out waiting|connection refused|"
+    r"remote process exiting|communicator was aborted",
+    re.IGNORECASE,
+)
 
 
 class _Formatter(logging.Formatter):
@@ -81,11 +85,26 @@ class Progress:
         if self.enabled and self.interactive:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{epochs}", unit="step",
-                             leave=False, dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(
+                total=steps,
+                initial=done,
+                desc=f"epoch {epoch + 1}/{epochs}",
+                unit="step",
+                leave=False,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
 
-    def update(self, step: int, epoch: int, step_in_epoch: int, steps: int, loss: float | None,
-               samples_per_s: float | None, eta_s: float | None) -> None:
+    def update(
+        self,
+        step: int,
+        epoch: int,
+        step_in_epoch: int,
+        steps: int,
+        loss: float | None,
+        samples_per_s: float | None,
+        eta_s: float | None,
+    ) -> None:
         """Called every step with whatever figures are already on the host (no extra syncs)."""
         if not self.enabled:
             return

@@ -17,6 +17,7 @@ Exit status of training inside the callable:
   requeue path, so no result file is written and the requeued run writes it later;
 - anything else: :class:`TrainingFailed`, whose message submitit stores as the job's error.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,13 +25,21 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .signals import StopFlag, parse_signal
+from ddp_slurm.train.signals import StopFlag, parse_signal
 
 EXIT_STOPPED = 75
 _MEANING = {1: "failure", 2: "usage or config error", 3: "requeue cap reached (slurm.max_requeues)"}
 # Layout variables a submitting shell may export (after a torchrun session) that must not reach a Slurm task.
-_SUBMITTER_LAYOUT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                     "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT")
+_SUBMITTER_LAYOUT = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "TORCHELASTIC_RESTART_COUNT",
+)
 
 
 class TrainingFailed(RuntimeError):
@@ -55,14 +64,22 @@ class _LastError(logging.Handler):
 def local_rank_environ(job_env: Any, master_port: int) -> dict[str, str]:
     """torchrun-style variables for one task of submitit's local executor (one node, N tasks)."""
     n = str(job_env.num_tasks)
-    return {"RANK": str(job_env.global_rank), "LOCAL_RANK": str(job_env.local_rank), "WORLD_SIZE": n,
-            "LOCAL_WORLD_SIZE": n, "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+    return {
+        "RANK": str(job_env.global_rank),
+        "LOCAL_RANK": str(job_env.local_rank),
+        "WORLD_SIZE": n,
+        "LOCAL_WORLD_SIZE": n,
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    }
 
 
 @dataclass
 class TrainJob:
     """``python -m ddp_slurm.train ARGV`` as a submitit callable (see the module docstring)."""
+
     argv: list[str]
     """Arguments of ``ddp_slurm.train`` (``--config``, then ``KEY=VALUE`` overrides)."""
     run_dir: str
@@ -89,8 +106,8 @@ class TrainJob:
             # signal after a manual one) must not reach submitit's handler and requeue the job twice.
 
     def _run(self, job_env: Any, stop: StopFlag) -> dict[str, Any]:
-        from . import train  # torch is imported here, in the task, never in the submitting process
-        from .sweep import summarize
+        from ddp_slurm.launch.sweep import summarize
+        from ddp_slurm.train import loop as train
 
         rank = job_env.global_rank
         if job_env.cluster == "local":

@@ -5,6 +5,7 @@
 turns the config's ``slurm`` section into submitit parameters; both the real submission (an
 ``AutoExecutor``) and ``--dry-run`` (``sbatch_script``, submitit's own text without submitting) use it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,16 +19,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import config, sweep
-from .bootstrap import PORT_BASE, PORT_SPAN
-from .config import Config, ConfigError
-from .submit_job import TrainJob
+from ddp_slurm import config
+from ddp_slurm.config import Config, ConfigError
+from ddp_slurm.dist.env import PORT_BASE, PORT_SPAN
+from ddp_slurm.launch import sweep
+from ddp_slurm.launch.job import TrainJob
 
 # Options that are config keys: flag attribute -> dotted key.
-FLAG_KEYS = {"nodes": "slurm.nodes", "gpus_per_node": "slurm.gpus_per_node", "tasks_per_node": "slurm.tasks_per_node",
-             "cpus_per_task": "slurm.cpus_per_task", "partition": "slurm.partition", "account": "slurm.account",
-             "qos": "slurm.qos", "constraint": "slurm.constraint", "time": "slurm.time_min",
-             "signal_delay": "slurm.signal_delay_s", "name": "run.name"}
+FLAG_KEYS = {
+    "nodes": "slurm.nodes",
+    "gpus_per_node": "slurm.gpus_per_node",
+    "tasks_per_node": "slurm.tasks_per_node",
+    "cpus_per_task": "slurm.cpus_per_task",
+    "partition": "slurm.partition",
+    "account": "slurm.account",
+    "qos": "slurm.qos",
+    "constraint": "slurm.constraint",
+    "time": "slurm.time_min",
+    "signal_delay": "slurm.signal_delay_s",
+    "name": "run.name",
+}
 
 
 class UsageError(Exception):
@@ -37,6 +48,7 @@ class UsageError(Exception):
 @dataclass
 class Run:
     """One run to submit: its directory and the arguments of ``ddp_slurm.train`` that train it."""
+
     name: str
     run_dir: Path
     argv: list[str]
@@ -63,13 +75,16 @@ def _quoted(key: str, value: Any) -> str:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Load and check every config, decide directories; raises ConfigError/UsageError. Touches no file."""
     cfg_path = Path(os.path.abspath(args.config)) if args.config else None
-    base = list(args.overrides) + [_quoted(k, getattr(args, a)) for a, k in FLAG_KEYS.items()
-                                   if getattr(args, a) is not None]
+    base = list(args.overrides) + [
+        _quoted(k, getattr(args, a)) for a, k in FLAG_KEYS.items() if getattr(args, a) is not None
+    ]
     cfg = config.load(cfg_path, base)
     tasks = cfg.slurm.tasks_per_node or cfg.slurm.gpus_per_node or 1
     if args.cluster != "slurm" and cfg.slurm.nodes > 1:
-        raise UsageError(f"--nodes {cfg.slurm.nodes} needs Slurm, but --cluster {args.cluster} runs on this "
-                         "machine only: use --nodes 1, or --cluster slurm on a Slurm login node")
+        raise UsageError(
+            f"--nodes {cfg.slurm.nodes} needs Slurm, but --cluster {args.cluster} runs on this "
+            "machine only: use --nodes 1, or --cluster slurm on a Slurm login node"
+        )
     if args.cluster == "debug" and tasks > 1:
         raise UsageError(f"--cluster debug runs one task in this process, not {tasks}: use --cluster local for several")
     if args.dry_run and args.cluster != "slurm":
@@ -82,40 +97,64 @@ def make_plan(args: argparse.Namespace) -> Plan:
         points = sweep.points(args.sweep)
         for key in (o.partition("=")[0] for o in points[0].overrides):
             if key.startswith(("slurm.", "run.")):
-                raise UsageError(f"--sweep cannot vary {key}: the runs of one job array share slurm.* resources "
-                                 "and each gets its own run.name")
-        runs = [Run(p.name, root / p.name, head + base + list(p.overrides)
-                    + [_quoted("run.output_root", str(root)), _quoted("run.name", p.name)], p.overrides)
-                for p in points]
+                raise UsageError(
+                    f"--sweep cannot vary {key}: the runs of one job array share slurm.* resources "
+                    "and each gets its own run.name"
+                )
+        runs = [
+            Run(
+                p.name,
+                root / p.name,
+                head + base + list(p.overrides) + [_quoted("run.output_root", str(root)), _quoted("run.name", p.name)],
+                p.overrides,
+            )
+            for p in points
+        ]
     else:
         runs = [Run(cfg.run.name, root, head + base + [_quoted("run.output_root", str(root.parent))])]
     world = cfg.slurm.nodes * tasks
     for run in runs:
-        run_cfg = config.load(cfg_path, run.argv[len(head):])
+        run_cfg = config.load(cfg_path, run.argv[len(head) :])
         g = run_cfg.train.global_batch_size
         if g % world:
-            raise ConfigError(f"train.global_batch_size={g} is not divisible by the world size {world} "
-                              f"({cfg.slurm.nodes} node(s) x {tasks} task(s)): choose a multiple of {world}")
+            raise ConfigError(
+                f"train.global_batch_size={g} is not divisible by the world size {world} "
+                f"({cfg.slurm.nodes} node(s) x {tasks} task(s)): choose a multiple of {world}"
+            )
         saved = run.run_dir / "config.yaml"
         if saved.exists():
             diffs = config.incompatible_changes(config.read_resolved(saved), run_cfg)
             if diffs:
-                raise UsageError(f"run directory {run.run_dir} holds a run with another config ({'; '.join(diffs)}): "
-                                 "submit with the same settings to resume it, or choose another --name")
+                raise UsageError(
+                    f"run directory {run.run_dir} holds a run with another config ({'; '.join(diffs)}): "
+                    "submit with the same settings to resume it, or choose another --name"
+                )
     return Plan(cfg, tasks, runs, root, bool(args.sweep))
 
 
 def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     """(AutoExecutor's generic parameters, Slurm-only ones), None values left out as AutoExecutor does."""
     s = plan.cfg.slurm
-    generic = {"name": plan.cfg.run.name, "timeout_min": s.time_min, "nodes": s.nodes,
-               "tasks_per_node": plan.tasks_per_node, "cpus_per_task": s.cpus_per_task,
-               "gpus_per_node": s.gpus_per_node or None, "stderr_to_stdout": True}  # one log per rank
+    generic = {
+        "name": plan.cfg.run.name,
+        "timeout_min": s.time_min,
+        "nodes": s.nodes,
+        "tasks_per_node": plan.tasks_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        "gpus_per_node": s.gpus_per_node or None,
+        "stderr_to_stdout": True,
+    }  # one log per rank
     # The signal is named explicitly (submitit would write its own USR_SIG); requeue is what lets
     # `scontrol requeue` and a preempting Slurm put the job back in the queue.
     extra = {"signal": f"{s.signal}@{s.signal_delay_s}", "requeue" if s.requeue else "no_requeue": True}
-    specific = {"partition": s.partition, "account": s.account, "qos": s.qos, "constraint": s.constraint,
-                "signal_delay_s": s.signal_delay_s, "additional_parameters": extra}
+    specific = {
+        "partition": s.partition,
+        "account": s.account,
+        "qos": s.qos,
+        "constraint": s.constraint,
+        "signal_delay_s": s.signal_delay_s,
+        "additional_parameters": extra,
+    }
     drop = lambda d: {k: v for k, v in d.items() if v is not None}  # noqa: E731
     return drop(generic), drop(specific)
 
@@ -165,8 +204,16 @@ def submit(plan: Plan, cluster: str) -> list[Any]:
     ex = submitit.AutoExecutor(folder=plan.folder, cluster=cluster, slurm_max_num_timeout=plan.cfg.slurm.max_requeues)
     ex.update_parameters(**generic, **{f"slurm_{k}": v for k, v in specific.items()})
     ports: set[int] = set()
-    fns = [TrainJob(run.argv, str(run.run_dir), plan.cfg.slurm.signal, os.getcwd(),
-                    _free_port(ports) if cluster == "local" else 0) for run in plan.runs]
+    fns = [
+        TrainJob(
+            run.argv,
+            str(run.run_dir),
+            plan.cfg.slurm.signal,
+            os.getcwd(),
+            _free_port(ports) if cluster == "local" else 0,
+        )
+        for run in plan.runs
+    ]
     captured = io.StringIO()  # submitit prints sbatch's stderr itself; we say it once, in one line
     try:
         with contextlib.redirect_stderr(captured):

@@ -3,6 +3,7 @@
 The kernel drops an flock when its process dies, so a crashed or killed run never leaves the
 directory stuck; the pid and host written into the file are only there for the error message.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -27,8 +28,10 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunLocked(f"run directory {self.path.parent} is in use by another launch ({holder}); "
-                            "wait for it to finish, or stop it, or choose another run.name") from None
+            raise RunLocked(
+                f"run directory {self.path.parent} is in use by another launch ({holder}); "
+                "wait for it to finish, or stop it, or choose another run.name"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd

@@ -14,11 +14,12 @@ death by signal while the rank is still shutting down. It has to be SIG_IGN: Pyt
 (seconds, with torch loaded) resets every Python-level handler to the default first, but leaves
 ignored signals ignored.
 """
+
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 
 def parse_signal(name: str) -> signal.Signals:
@@ -50,7 +51,7 @@ class StopFlag:
     def requested(self) -> bool:
         return self.requeue_requested or self.terminate_requested
 
-    def install(self) -> "StopFlag":
+    def install(self) -> StopFlag:
         for sig in {self.requeue_signal, signal.SIGTERM}:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

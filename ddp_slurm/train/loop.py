@@ -4,6 +4,7 @@ Exit codes: 0 finished (or already finished); 2 usage or config error, nothing s
 on a signal after writing a checkpoint (launch again to resume; inside Slurm with requeue on, the
 job is already requeued); 3 the requeue cap was reached; 1 any other failure, reason in the log.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,19 +14,24 @@ import random
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import bootstrap, checkpoint, config, data, engine, logs, models, slurm, watchdog
-from .bootstrap import BootstrapError, DistEnv
-from .config import Config, ConfigError
-from .metrics import MetricsWriter
-from .runlock import RunLock, RunLocked
-from .signals import StopFlag, parse_signal
+from ddp_slurm import bootstrap, config
+from ddp_slurm.bootstrap import BootstrapError, DistEnv
+from ddp_slurm.config import Config, ConfigError
+from ddp_slurm.dist import slurm, watchdog
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import checkpoint, logs
+from ddp_slurm.train import step as engine
+from ddp_slurm.train.metrics import MetricsWriter
+from ddp_slurm.train.rundir import RunLock, RunLocked
+from ddp_slurm.train.signals import StopFlag, parse_signal
 
 log = logging.getLogger("ddp_slurm")
 
@@ -45,8 +51,16 @@ class NonFiniteLoss(RuntimeError):
 
 
 # Errors whose message says it all: logged as one line, no traceback.
-EXPECTED_ERRORS = (checkpoint.CheckpointError, data.DataError, NonFiniteLoss, BootstrapError, RunLocked,
-                   bootstrap.RendezvousError, watchdog.PeerLost, RunDirError)
+EXPECTED_ERRORS = (
+    checkpoint.CheckpointError,
+    data.DataError,
+    NonFiniteLoss,
+    BootstrapError,
+    RunLocked,
+    bootstrap.RendezvousError,
+    watchdog.PeerLost,
+    RunDirError,
+)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -57,8 +71,11 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _OneLineParser(prog="python -m ddp_slurm.train", description="Train one rank of a DDP run.",
-                            epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3")
+    parser = _OneLineParser(
+        prog="python -m ddp_slurm.train",
+        description="Train one rank of a DDP run.",
+        epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3",
+    )
     parser.add_argument("--config", type=Path, help="YAML job config (default: the bundled-sample defaults)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser.parse_args(argv)
@@ -68,8 +85,9 @@ def check_world(cfg: Config, env: DistEnv) -> None:
     """Config errors that depend on the world size, found before anything starts."""
     g, ws = cfg.train.global_batch_size, env.world_size
     if g % ws:
-        raise ConfigError(f"train.global_batch_size={g} is not divisible by the world size {ws}: "
-                          f"choose a multiple of {ws}")
+        raise ConfigError(
+            f"train.global_batch_size={g} is not divisible by the world size {ws}: choose a multiple of {ws}"
+        )
     size = data.TRAIN_SIZES[cfg.data.source]
     if g > size:
         raise ConfigError(f"train.global_batch_size={g} is larger than the {cfg.data.source} training set ({size})")
@@ -109,8 +127,10 @@ def prepare_run_dir(cfg: Config, lock: RunLock) -> tuple[Path, dict[str, Any]] |
     if saved.exists():
         diffs = config.incompatible_changes(config.read_resolved(saved), cfg)
         if diffs:
-            raise UsageError(f"run directory {run_dir} holds a run with another config ({'; '.join(diffs)}): "
-                             "launch with the same settings to resume it, or choose another run.name")
+            raise UsageError(
+                f"run directory {run_dir} holds a run with another config ({'; '.join(diffs)}): "
+                "launch with the same settings to resume it, or choose another run.name"
+            )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
@@ -120,14 +140,17 @@ def prepare_run_dir(cfg: Config, lock: RunLock) -> tuple[Path, dict[str, Any]] |
     except RunLocked as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:  # a read-only or full file system, no permission: one line, not a traceback
-        raise RunDirError(f"cannot write the run directory {run_dir}: {exc.strerror or exc} ({exc.filename}); "
-                          "make it writable or choose another run.output_root") from None
+        raise RunDirError(
+            f"cannot write the run directory {run_dir}: {exc.strerror or exc} ({exc.filename}); "
+            "make it writable or choose another run.output_root"
+        ) from None
     return found
 
 
 @dataclass
 class Position:
     """Where training stands; restored exactly from a checkpoint."""
+
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0
@@ -150,18 +173,40 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(cfg: Config, env: DistEnv, model, optimizer, scheduler, pos: Position, finished: bool,
-                    device: torch.device, t0: float) -> None:
+def save_checkpoint(
+    cfg: Config,
+    env: DistEnv,
+    model,
+    optimizer,
+    scheduler,
+    pos: Position,
+    finished: bool,
+    device: torch.device,
+    t0: float,
+) -> None:
     """Rank 0 writes; the result is shared so that no rank continues (or exits) before the file is in place."""
+
     def write() -> None:
         if not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise NonFiniteLoss(f"weights are not finite at step {pos.step}: not saving them; "
-                                "the last good checkpoint is kept (lower train.lr?)")
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "step": pos.step, "epoch": pos.epoch, "samples_in_epoch": pos.step_in_epoch * cfg.train.global_batch_size,
-                 "finished": finished, "elapsed_s": pos.elapsed_s + time.monotonic() - t0,
-                 "best_accuracy": pos.best_accuracy, "rng": rng_state(device), "config": cfg.to_dict(),
-                 "world_size": env.world_size, "restart_count": env.restart_count}
+            raise NonFiniteLoss(
+                f"weights are not finite at step {pos.step}: not saving them; "
+                "the last good checkpoint is kept (lower train.lr?)"
+            )
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "samples_in_epoch": pos.step_in_epoch * cfg.train.global_batch_size,
+            "finished": finished,
+            "elapsed_s": pos.elapsed_s + time.monotonic() - t0,
+            "best_accuracy": pos.best_accuracy,
+            "rng": rng_state(device),
+            "config": cfg.to_dict(),
+            "world_size": env.world_size,
+            "restart_count": env.restart_count,
+        }
         path = checkpoint.save(cfg.run_dir, state, keep=cfg.checkpoint.keep)
         log.info("checkpoint %s", path)
 
@@ -182,18 +227,33 @@ def train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: S
         lock.release()
 
 
-def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: StopFlag,
-           found: tuple[Path, dict[str, Any]] | None, t0: float) -> int:
+def _train(
+    cfg: Config,
+    env: DistEnv,
+    device: torch.device,
+    backend: str,
+    stop: StopFlag,
+    found: tuple[Path, dict[str, Any]] | None,
+    t0: float,
+) -> int:
     state = None
     if found is not None:  # rank 0 already holds it; the others read the same file
         state = found[1] if env.rank == 0 else checkpoint.load(found[0])
         if state["finished"]:
-            log.info("run %s already finished at step %d (best test accuracy %.2f%%); nothing to do",
-                     cfg.run_dir, state["step"], 100 * state.get("best_accuracy", 0.0))
+            log.info(
+                "run %s already finished at step %d (best test accuracy %.2f%%); nothing to do",
+                cfg.run_dir,
+                state["step"],
+                100 * state.get("best_accuracy", 0.0),
+            )
             return EXIT_OK
     if env.in_slurm_job and env.restart_count > cfg.slurm.max_requeues:
-        log.error("requeue cap reached: restart %d > slurm.max_requeues=%d; not training. Raise the cap or "
-                  "launch again outside this job to resume", env.restart_count, cfg.slurm.max_requeues)
+        log.error(
+            "requeue cap reached: restart %d > slurm.max_requeues=%d; not training. Raise the cap or "
+            "launch again outside this job to resume",
+            env.restart_count,
+            cfg.slurm.max_requeues,
+        )
         return EXIT_REQUEUE_CAP
 
     # Data: full MNIST is fetched by rank 0 only; the others wait for it.
@@ -217,18 +277,40 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"], device)
-        pos = Position(step=state["step"], epoch=state["epoch"], step_in_epoch=state["samples_in_epoch"] // G,
-                       elapsed_s=state["elapsed_s"], best_accuracy=state["best_accuracy"], last_saved=state["step"])
+        pos = Position(
+            step=state["step"],
+            epoch=state["epoch"],
+            step_in_epoch=state["samples_in_epoch"] // G,
+            elapsed_s=state["elapsed_s"],
+            best_accuracy=state["best_accuracy"],
+            last_saved=state["step"],
+        )
     ddp = engine.wrap_ddp(model, device, ws)  # the bare model for one process: nothing to all-reduce
     step_fn = engine.make_step(ddp, optimizer, scheduler, train_set.images, train_set.labels, cfg.train.precision)
 
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None)
     elapsed = lambda: pos.elapsed_s + time.monotonic() - t0  # noqa: E731
-    metrics.write("start", pos.step, pos.epoch, elapsed(), resumed=state is not None, restart_count=env.restart_count,
-                  world_size=ws, launcher=env.launcher)
-    log.info("%s run %s: world size %d on %d node(s) via %s, backend %s, device %s, %s", "resuming" if state else "starting",
-             cfg.run_dir, ws, env.num_nodes, env.launcher, backend, device,
-             f"from step {pos.step} (restart {env.restart_count})" if state else "fresh start")
+    metrics.write(
+        "start",
+        pos.step,
+        pos.epoch,
+        elapsed(),
+        resumed=state is not None,
+        restart_count=env.restart_count,
+        world_size=ws,
+        launcher=env.launcher,
+    )
+    log.info(
+        "%s run %s: world size %d on %d node(s) via %s, backend %s, device %s, %s",
+        "resuming" if state else "starting",
+        cfg.run_dir,
+        ws,
+        env.num_nodes,
+        env.launcher,
+        backend,
+        device,
+        f"from step {pos.step} (restart {env.restart_count})" if state else "fresh start",
+    )
 
     save = lambda finished=False: save_checkpoint(cfg, env, model, optimizer, scheduler, pos, finished, device, t0)  # noqa: E731
     progress = logs.Progress(env.rank == 0, cfg.train.log_every_s)
@@ -253,8 +335,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
         # before an evaluation or a save they wait, so that nothing non-finite is evaluated or saved.
         requeue, terminate, bad = votes.exchange(loss, pos.step, wait=saving)
         if bad:
-            raise NonFiniteLoss(f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
-                                "(lower train.lr and start a new run.name)")
+            raise NonFiniteLoss(
+                f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
+                "(lower train.lr and start a new run.name)"
+            )
 
         if pos.step % cfg.train.log_every_steps == 0:  # the only per-window host sync for the loss
             mean = loss_sum / loss_n
@@ -263,7 +347,9 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
                 mean /= ws
             now = time.monotonic()
             last_loss, last_rate = mean.item(), (pos.step - window_step) * G / (now - window_t)
-            metrics.write("train", pos.step, pos.epoch, elapsed(), loss=last_loss, samples_per_s=last_rate, world_size=ws)
+            metrics.write(
+                "train", pos.step, pos.epoch, elapsed(), loss=last_loss, samples_per_s=last_rate, world_size=ws
+            )
             loss_sum.zero_()
             loss_n, window_t, window_step = 0, now, pos.step
         eta = (total_steps - pos.step) * G / last_rate if last_rate else None
@@ -273,10 +359,18 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
             progress.end_epoch()
             accuracy, images, test_loss = engine.evaluate(model, test_set, env.rank, ws, cfg.train.precision)
             pos.best_accuracy = max(pos.best_accuracy, accuracy)
-            metrics.write("eval", pos.step, pos.epoch, elapsed(), accuracy=accuracy, test_samples=images, loss=test_loss)
-            log.info("epoch %d/%d: train loss %s, test accuracy %.2f%% (%d images), %s samples/s", pos.epoch + 1,
-                     cfg.train.epochs, f"{last_loss:.4f}" if last_loss is not None else "n/a", 100 * accuracy, images,
-                     f"{last_rate:,.0f}" if last_rate else "n/a")
+            metrics.write(
+                "eval", pos.step, pos.epoch, elapsed(), accuracy=accuracy, test_samples=images, loss=test_loss
+            )
+            log.info(
+                "epoch %d/%d: train loss %s, test accuracy %.2f%% (%d images), %s samples/s",
+                pos.epoch + 1,
+                cfg.train.epochs,
+                f"{last_loss:.4f}" if last_loss is not None else "n/a",
+                100 * accuracy,
+                images,
+                f"{last_rate:,.0f}" if last_rate else "n/a",
+            )
             pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
             perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch).to(device)
             save(finished=pos.step >= total_steps)
@@ -299,13 +393,19 @@ def _train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: 
     stop.stopping = True
     metrics.write("end", pos.step, pos.epoch, elapsed(), best_accuracy=pos.best_accuracy)
     metrics.close()
-    log.info("finished: %d steps, best test accuracy %.2f%%, %.1f s; run directory %s", pos.step,
-             100 * pos.best_accuracy, elapsed(), cfg.run_dir)
+    log.info(
+        "finished: %d steps, best test accuracy %.2f%%, %.1f s; run directory %s",
+        pos.step,
+        100 * pos.best_accuracy,
+        elapsed(),
+        cfg.run_dir,
+    )
     return EXIT_OK
 
 
-def stop_on_signal(cfg: Config, env: DistEnv, pos: Position, wants_requeue: bool, save, metrics: MetricsWriter,
-                   elapsed: float) -> int:
+def stop_on_signal(
+    cfg: Config, env: DistEnv, pos: Position, wants_requeue: bool, save, metrics: MetricsWriter, elapsed: float
+) -> int:
     """Checkpoint (unless this step is already on disk), requeue if asked to, and say how to continue.
 
     SIGTERM (Slurm preemption, scancel, torchrun shutting down) never requeues from here: a preempting
@@ -317,8 +417,13 @@ def stop_on_signal(cfg: Config, env: DistEnv, pos: Position, wants_requeue: bool
     metrics.close()
     if wants_requeue and env.in_slurm_job and cfg.slurm.requeue:
         if env.restart_count >= cfg.slurm.max_requeues:
-            log.error("requeue cap reached (%d requeues, slurm.max_requeues=%d): not requeueing; checkpoint at step %d "
-                      "is on disk, launch again to resume", env.restart_count, cfg.slurm.max_requeues, pos.step)
+            log.error(
+                "requeue cap reached (%d requeues, slurm.max_requeues=%d): not requeueing; checkpoint at step %d "
+                "is on disk, launch again to resume",
+                env.restart_count,
+                cfg.slurm.max_requeues,
+                pos.step,
+            )
             return EXIT_REQUEUE_CAP
         if env.rank == 0:
             slurm.requeue(env.slurm_job_ref)
@@ -348,8 +453,10 @@ def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
     if own_stop:
         stop.install()  # before the rendezvous: a signal at any time from here on is a clean stop
     try:
-        with bootstrap.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend), \
-                watchdog.watch(env, ignore=EXPECTED_ERRORS + (UsageError,)):  # names a lost rank if one vanishes
+        with (
+            bootstrap.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend),
+            watchdog.watch(env, ignore=EXPECTED_ERRORS + (UsageError,)),
+        ):  # names a lost rank if one vanishes
             return train(cfg, env, device, backend, stop)
     except UsageError as exc:
         log.error("%s", exc)

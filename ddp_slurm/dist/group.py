@@ -1,0 +1,213 @@
+"""Join and leave the process group: threads, device and backend, the gloo interface, rendezvous errors.
+
+``torch`` is imported inside the functions only, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator, Mapping, MutableMapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+from ddp_slurm.dist import hostmem
+from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError, _int
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+def configure_threads(env: DistEnv, environ: Mapping[str, str]) -> int:
+    """Set ``torch.set_num_threads`` to this rank's share of the CPUs and return it.
+
+    In an srun step that is ``SLURM_CPUS_PER_TASK``; otherwise ``OMP_NUM_THREADS`` when set;
+    otherwise the CPUs this process may run on divided among the ranks on the node, so ranks
+    sharing a machine never oversubscribe it.
+    """
+    import torch
+
+    omp = _int(environ, "OMP_NUM_THREADS", minimum=1)
+    on_node = _int(environ, "SLURM_CPUS_ON_NODE", minimum=1)
+    if env.launcher == "slurm" and env.cpus_per_task:
+        threads = env.cpus_per_task
+    elif omp is not None:
+        threads = omp[1]
+    else:
+        try:
+            cpus = len(os.sched_getaffinity(0))  # respects cgroups/cpusets, unlike cpu_count
+        except AttributeError:  # not available on macOS
+            cpus = os.cpu_count() or 1
+        threads = cpus // env.local_world_size
+        if env.launcher == "slurm" and on_node is not None:
+            # srun may already have bound each task to its own CPUs: then the affinity mask
+            # is this task's share, and dividing it again would leave cores idle.
+            threads = min(cpus, on_node[1] // env.local_world_size)
+        threads = max(1, threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def pick_device_and_backend(requested: str, local_rank: int) -> tuple[torch.device, str]:
+    """Choose the backend (``auto``, ``nccl`` or ``gloo``) and this rank's device.
+
+    The GPU is ``local_rank % device_count``: CUDA_VISIBLE_DEVICES is never rewritten, so
+    with ``srun --gpus-per-task=1`` every task sees one device and uses index 0.
+    """
+    import torch
+
+    if requested not in ("auto", "nccl", "gloo"):
+        raise BootstrapError(f"backend {requested!r} is not one of 'auto', 'nccl', 'gloo'")
+    has_cuda = torch.cuda.is_available()
+    if requested == "nccl" and not has_cuda:
+        raise BootstrapError("backend 'nccl' needs a CUDA GPU but torch sees none: use 'gloo' or 'auto'")
+    backend = ("nccl" if has_cuda else "gloo") if requested == "auto" else requested
+    if not has_cuda:
+        return torch.device("cpu"), backend
+    count = torch.cuda.device_count()
+    if local_rank >= count > 1:
+        log.warning("local rank %d but only %d visible GPUs: ranks will share GPUs", local_rank, count)
+    device = torch.device("cuda", local_rank % count)
+    torch.cuda.set_device(device)
+    return device, backend
+
+
+def route_ifname(addr: str) -> str | None:
+    """The network interface that routes to ``addr`` (a name or IP); None if unknown or ``lo``."""
+    ip_tool = shutil.which("ip")
+    if ip_tool is None:
+        return None
+    try:
+        ip = socket.gethostbyname(addr)
+        out = subprocess.run([ip_tool, "-o", "route", "get", ip], capture_output=True,
+                             text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\bdev\s+(\S+)", out)
+    return match[1] if match and match[1] != "lo" else None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+def fix_loopback_ifname(env: DistEnv, environ: MutableMapping[str, str]) -> str | None:
+    """Point gloo (and NCCL) at the real interface when this host's name means loopback.
+
+    Gloo advertises the address its host name resolves to; where /etc/hosts maps the name to
+    127.0.x.1 (common in containers and on some clusters) peers then dial 127.0.0.1 and fail
+    with "connectFullMesh ... Connection refused". Sets GLOO_SOCKET_IFNAME (and
+    NCCL_SOCKET_IFNAME if unset) in ``environ``; never overrides the user's GLOO_SOCKET_IFNAME.
+    Returns the interface set, or None.
+    """
+    if not env.is_distributed or environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    hostname = socket.gethostname()
+    if not _is_loopback(hostname) or _is_loopback(env.master_addr):
+        return None
+    ifname = route_ifname(env.master_addr)
+    if ifname is None:
+        log.warning("host name %s resolves to loopback and no interface routes to %s: "
+                    "set GLOO_SOCKET_IFNAME if the ranks cannot connect", hostname, env.master_addr)
+        return None
+    environ["GLOO_SOCKET_IFNAME"] = ifname
+    environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    log.info("host name %s resolves to loopback: set GLOO_SOCKET_IFNAME=%s (the interface routing "
+             "to %s) so peers do not dial 127.0.0.1", hostname, ifname, env.master_addr)
+    return ifname
+
+
+def _rendezvous_error(env: DistEnv, timeout_s: float, exc: Exception) -> RendezvousError:
+    """Turn torch's multi-line store errors into one line that says what to do."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return RendezvousError(f"{where} failed: port {env.master_port} is already in use on "
+                               f"{env.master_addr}; set MASTER_PORT to a free port, e.g. "
+                               "`MASTER_PORT=29613`")
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return RendezvousError(f"{where} timed out after {timeout_s:g} s: expected "
+                               f"{env.world_size} ranks, {joined[1]} arrived")
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return RendezvousError(f"{where} timed out after {timeout_s:g} s: could not reach rank 0 "
+                               f"(expected {env.world_size} ranks); check that rank 0 started and "
+                               "that every rank has the same MASTER_ADDR and MASTER_PORT")
+    if "connectFullMesh" in text or "Connection refused" in text:
+        return RendezvousError(f"{where}: the ranks met but could not connect to each other "
+                               f"({text}); set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to "
+                               "the network interface the nodes share")
+    return RendezvousError(f"{where} (expected {env.world_size} ranks) failed: {text}")
+
+
+def init_distributed(env: DistEnv, backend: str = "auto",
+                     timeout_s: float = 300.0) -> tuple[torch.device, str]:
+    """Join the process group described by ``env``; returns (device, backend).
+
+    Configures threads and malloc, picks the device and backend, fixes the gloo interface, then calls
+    ``init_process_group``. ``timeout_s`` bounds the rendezvous and, as in torch, collectives;
+    a rank other than 0 that cannot reach rank 0 may take about twice as long to give up,
+    because torch retries the connection once.
+    One process uses an in-process store and needs no port. Raises :class:`BootstrapError`
+    or :class:`RendezvousError` with a one-line message.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise BootstrapError("torch.distributed is already initialized: call shutdown() first")
+    if env.is_distributed:
+        try:  # fail fast: torch would retry an unresolvable name until the timeout
+            socket.getaddrinfo(env.master_addr, env.master_port)
+        except OSError as exc:
+            raise BootstrapError(f"MASTER_ADDR={env.master_addr!r} cannot be resolved "
+                                 f"({exc.strerror or exc})") from None
+    configure_threads(env, os.environ)
+    hostmem.keep_freed_memory(os.environ)  # no page faults on every CPU step (see hostmem)
+    device, backend = pick_device_and_backend(backend, env.local_rank)
+    fix_loopback_ifname(env, os.environ)
+    timeout = timedelta(seconds=timeout_s)
+    device_id = device if backend == "nccl" else None  # binds NCCL's communicator eagerly
+    if not env.is_distributed:
+        dist.init_process_group(backend, store=dist.HashStore(),  # type: ignore[attr-defined]
+                                rank=0, world_size=1, timeout=timeout, device_id=device_id)
+        return device, backend
+    try:
+        # tcp:// rather than our own TCPStore: torch then reuses torchrun's agent store when
+        # TORCHELASTIC_USE_AGENT_STORE says so, instead of fighting it for the port.
+        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                device_id=device_id)
+    except (RuntimeError, ValueError) as exc:  # DistError subclasses RuntimeError
+        raise _rendezvous_error(env, timeout_s, exc) from exc
+    log.info("rank %d/%d joined %s process group at %s:%d on %s", env.rank, env.world_size,
+             backend, env.master_addr, env.master_port, device)
+    return device, backend
+
+
+def shutdown() -> None:
+    """Destroy the default process group if there is one; safe to call twice."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(env: DistEnv, backend: str = "auto",
+                timeout_s: float = 300.0) -> Iterator[tuple[torch.device, str]]:
+    """``with distributed(env) as (device, backend):`` — always destroys the group on exit."""
+    try:
+        yield init_distributed(env, backend, timeout_s)
+    finally:
+        shutdown()
