@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
 from ddp_slurm.bench import common, ddp, limit, loader, startup, tta
+from ddp_slurm.exitcodes import EXIT_USAGE
 
 COMMANDS = {
     "loader": (loader, "ddp_slurm's step vs the seed-style torchvision/DataLoader pipeline: samples/s and ratio"),
@@ -18,7 +19,6 @@ COMMANDS = {
     "startup": (startup, "seconds to the first optimizer step of ddp_slurm.train vs `import torch`"),
     "tta": (tta, "seconds to a target test accuracy on the sample, over seeds"),
 }
-EXIT_USAGE = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddp_slurm.exitcodes import EXIT_STOPPED
 from ddp_slurm.launch.sweep import summarize
 
-EXIT_STOPPED = 75
 # Job states after which Slurm will not run the job again (a requeued job goes back to PENDING).
 _ENDED = {
     "COMPLETED",

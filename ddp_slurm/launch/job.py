@@ -25,9 +25,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ddp_slurm.exitcodes import EXIT_STOPPED
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
-EXIT_STOPPED = 75
 _MEANING = {1: "failure", 2: "usage or config error", 3: "requeue cap reached (slurm.max_requeues)"}
 # Layout variables a submitting shell may export (after a torchrun session) that must not reach a Slurm task.
 _SUBMITTER_LAYOUT = (

@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ddp_slurm.config import ConfigError
+from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.launch import sweep
 from ddp_slurm.launch.follow import STOPPED_MESSAGE, LogTail, Outcome, finished_message, outcome, report, wait_for
 from ddp_slurm.launch.job import EXIT_STOPPED, TrainingFailed
 from ddp_slurm.launch.plan import Plan, UsageError, make_plan, sbatch_script, submit
 
 PROG = "python -m ddp_slurm.submit"
-EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):

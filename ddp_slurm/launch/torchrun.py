@@ -40,11 +40,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 
+from ddp_slurm.exitcodes import EXIT_STOPPED
+
 log = logging.getLogger("ddp_slurm.launch")
 
-# ddp_slurm.train's exit code for "stopped on a signal after writing a checkpoint" (kept here so
-# that the agent does not import the training code).
-EXIT_STOPPED = 75
+
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 

@@ -27,9 +27,9 @@ from typing import Any
 
 from ddp_slurm import bootstrap
 from ddp_slurm.bootstrap import BootstrapError, DistEnv, RendezvousError
+from ddp_slurm.exitcodes import EXIT_FAILURE as EXIT_FAIL
+from ddp_slurm.exitcodes import EXIT_OK
 from ddp_slurm.train import logs
-
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
 class Failure(Exception):

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm import config
+from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 from ddp_slurm.train import metrics
-
-EXIT_OK, EXIT_USAGE = 0, 2
 
 
 class ReportError(RuntimeError):

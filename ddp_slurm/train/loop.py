@@ -26,6 +26,7 @@ from ddp_slurm import bootstrap, config
 from ddp_slurm.bootstrap import BootstrapError, DistEnv
 from ddp_slurm.config import Config, ConfigError
 from ddp_slurm.dist import slurm, watchdog
+from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED, EXIT_USAGE  # noqa: F401
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train import checkpoint, logs
 from ddp_slurm.train import step as engine
@@ -34,8 +35,6 @@ from ddp_slurm.train.rundir import RunLock, RunLocked
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
 log = logging.getLogger("ddp_slurm")
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REQUEUE_CAP, EXIT_STOPPED = 0, 1, 2, 3, 75
 
 
 class UsageError(RuntimeError):
