@@ -1,7 +1,33 @@
 """ddp_slurm: PyTorch DistributedDataParallel training on Slurm that survives preemption and resumes exactly.
 
-Layout: dist (who am I, process group), train (the runtime: loop, step, checkpoints, signals), tasks (mnist),
-launch (submit, torchrun wrapper), tools (doctor, report), bench.
+Your own model: subclass ``ddp_slurm.Task`` (docs/tasks.md) and train it with
+``python -m ddp_slurm.train task=my_project.tasks:Digits`` or ``ddp_slurm.run(Digits, overrides)``.
+
+Layout: dist (who am I, process group), train (the runtime: task interface, loop, step, state,
+checkpoints, signals), tasks (mnist), launch (submit, torchrun wrapper), tools (doctor, report), bench.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "Task": "ddp_slurm.train.task",
+    "Tensors": "ddp_slurm.train.task",
+    "Context": "ddp_slurm.train.task",
+    "run": "ddp_slurm.train.entry",
+    "checked": "ddp_slurm.config",
+    "ConfigError": "ddp_slurm.config",
+}
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    """The public API, imported on first use: ``import ddp_slurm`` stays free of torch."""
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'ddp_slurm' has no attribute {name!r}")

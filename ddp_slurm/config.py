@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from ddp_slurm import taskref
 
 
 class ConfigError(ValueError):
@@ -28,22 +30,6 @@ class RunConfig:
     """Directory holding run directories (relative paths are relative to the working directory)."""
     seed: int = 0
     """Seed for model initialisation and the per-epoch data order (identical on every rank)."""
-
-
-@dataclass
-class DataConfig:
-    source: Literal["sample", "mnist"] = "sample"
-    """``sample``: the 5,000/5,000 MNIST subset bundled with the package (offline); ``mnist``: full MNIST."""
-    root: str = "data"
-    """Where full MNIST lives (``<root>/MNIST/raw``); unused for ``sample``."""
-    download: bool = True
-    """For ``mnist``: rank 0 downloads missing files (others wait). Off on compute nodes without internet."""
-
-
-@dataclass
-class ModelConfig:
-    name: Literal["mlp", "cnn"] = "cnn"
-    """``mlp``: 784-100-10 as in the seed documents; ``cnn``: a small, fast convnet."""
 
 
 @dataclass
@@ -66,6 +52,12 @@ class TrainConfig:
     """Steps between ``train`` lines in metrics.jsonl (the loss is averaged over them and over ranks)."""
     log_every_s: float = 30.0
     """Seconds between plain progress lines when stderr is not a terminal (batch logs)."""
+    workers: int = 2
+    """DataLoader worker processes per rank for a task whose data is a Dataset (0: load in the training process)."""
+    prefetch: int = 2
+    """Batches each worker prepares ahead (Dataset path)."""
+    eval_batch_size: int = 256
+    """Samples per evaluation batch on each rank."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16`` runs forward/backward under CUDA bf16 autocast; on CPU it is refused (no speed-up there)."""
 
@@ -116,22 +108,81 @@ class SlurmConfig:
     """Cap on requeues (``SLURM_RESTART_COUNT``); beyond it the job stops with a message instead of looping."""
 
 
+RUNTIME_SECTIONS = ("run", "train", "checkpoint", "dist", "slurm")
+"""Sections every task shares; a task's own sections are the fields of its ``Config`` dataclass."""
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    task: str = taskref.DEFAULT
+    """Which task trains: ``package.module:Name`` or ``path/to/file.py:Name`` (unset: built-in MNIST)."""
+    task_config: Any = None
+    """The task's own sections (an instance of its ``Config``); None: the task's defaults."""
+
+    def __post_init__(self) -> None:
+        if self.task_config is None:
+            self.task_config = task_class(self.task).Config()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: the task's sections read like the runtime's (cfg.data.root).
+        task_config = self.__dict__.get("task_config")
+        if task_config is not None and name in _field_names(task_config):
+            return getattr(task_config, name)
+        raise AttributeError(f"config has no section {name!r}")
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_root) / self.run.name
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+    def sections(self) -> dict[str, Any]:
+        """Every section by name: the runtime's, then the task's."""
+        own = {name: getattr(self, name) for name in RUNTIME_SECTIONS}
+        return own | {name: getattr(self.task_config, name) for name in _field_names(self.task_config)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task": self.task} | {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+
+
+def _field_names(obj: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def task_class(spec: str) -> type:
+    """The Task class named by ``spec``; ConfigError (exit 2) when it cannot be used."""
+    try:
+        cls = taskref.resolve(spec)
+    except taskref.TaskError as exc:
+        raise ConfigError(str(exc)) from None
+    clash = set(_field_names(cls.Config)) & {*RUNTIME_SECTIONS, "task", "log"}
+    if clash:
+        raise ConfigError(
+            f"task={spec!r}: its Config reuses the runtime's section name(s) {sorted(clash)}: rename them"
+        )
+    return cls
+
+
+def checked(
+    default: Any = dataclasses.MISSING,
+    *,
+    check: Callable[[Any], bool] | None = None,
+    expected: str = "",
+    resumable: bool = False,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A config field with a value check and/or marked resumable (may change between launches of one run)::
+
+    lr: float = checked(1e-3, check=lambda v: v > 0, expected="a number > 0")
+    root: str = checked("data", resumable=True)
+    """
+    meta = {"check": (check, expected)} if check else {}
+    if resumable:
+        meta["resumable"] = True
+    return field(default=default, default_factory=default_factory, metadata=meta)
 
 
 # Value checks beyond the type: key -> (predicate, what was expected).
@@ -144,6 +195,9 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.weight_decay": (lambda v: v >= 0, "a number >= 0"),
     "train.max_steps": (lambda v: v is None or v >= 1, "null or an integer >= 1"),
     "train.log_every_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "train.workers": (lambda v: v >= 0, "an integer >= 0"),
+    "train.prefetch": (lambda v: v >= 1, "an integer >= 1"),
+    "train.eval_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "train.log_every_s": (lambda v: v > 0, "a number > 0"),
     "checkpoint.every_steps": (lambda v: v >= 0, "an integer >= 0"),
     "checkpoint.keep": (lambda v: v >= 1, "an integer >= 1"),
@@ -207,50 +261,58 @@ def _suggest(key: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _sections() -> dict[str, type]:
-    hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+def _field_types(obj: Any) -> dict[str, Any]:
+    return typing.get_type_hints(type(obj))
+
+
+def _fields(obj: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _all_keys(cfg: Config) -> list[str]:
+    return ["task"] + [f"{s}.{name}" for s, sec in cfg.sections().items() for name in _fields(sec)]
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
-    sections = _sections()
+    sections = cfg.sections()
     section, _, name = key.partition(".")
-    all_keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
     if section not in sections:
-        hint = _suggest(key, all_keys) or f" (sections are {', '.join(sections)})"
+        hint = _suggest(key, _all_keys(cfg)) or f" (sections are {', '.join(sections)})"
         raise ConfigError(f"unknown config section {section!r} (key {key!r}) in {where}{hint}")
-    if not name:
-        raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, all_keys)}")
-    cls = sections[section]
-    hints = typing.get_type_hints(cls)
-    if name not in hints:
-        raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, all_keys)}")
+    target = sections[section]
+    hints = _field_types(target)
+    if not name or name not in hints:
+        raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, _all_keys(cfg))}")
     try:
         coerced = _coerce(value, hints[name])
     except TypeError:
         raise ConfigError(f"{key} in {where}: expected {_describe(hints[name])}, got {value!r}") from None
-    check = _CHECKS.get(key)
+    check = _CHECKS.get(key) or _fields(target)[name].metadata.get("check")
     if check and not check[0](coerced):
         raise ConfigError(f"{key} in {where}: expected {check[1]}, got {value!r}")
-    setattr(getattr(cfg, section), name, coerced)
+    setattr(target, name, coerced)
 
 
-def _flatten(data: Any, where: str) -> dict[str, Any]:
+def _split(data: Any, where: str) -> tuple[str | None, dict[str, Any]]:
+    """A parsed YAML document -> (its ``task``, its other keys flattened to ``section.key``)."""
     if data is None:
-        return {}
+        return None, {}
     if not isinstance(data, Mapping):
         raise ConfigError(
-            f"{where}: expected a mapping of sections (run:, data:, train:, ...), got {type(data).__name__}"
+            f"{where}: expected a mapping of sections (task:, run:, train:, ...), got {type(data).__name__}"
         )
-    flat: dict[str, Any] = {}
+    task, flat = None, {}
     for section, body in data.items():
+        if section == "task":
+            if not isinstance(body, str):
+                raise ConfigError(f"task in {where}: expected an import path package.module:Name, got {body!r}")
+            task = body
+            continue
         if not isinstance(body, Mapping):
-            if str(section) in _sections():
-                raise ConfigError(f"section {section!r} in {where}: expected a mapping of keys, got {body!r}")
-            raise ConfigError(f"unknown config section {section!r} in {where}{_suggest(str(section), _sections())}")
+            raise ConfigError(f"section {section!r} in {where}: expected a mapping of keys, got {body!r}")
         for name, value in body.items():
             flat[f"{section}.{name}"] = value
-    return flat
+    return task, flat
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -259,6 +321,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
     key, sep, raw = text.partition("=")
     key = key.strip()
+    if key == "task" and sep:
+        return key, raw.strip()
     if not sep or not key or "." not in key:
         raise ConfigError(f"bad override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.epochs=3")
     try:
@@ -270,50 +334,78 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def from_dict(data: Mapping[str, Any], where: str = "<dict>") -> Config:
-    cfg = Config()
-    for key, value in _flatten(data, where).items():
+def _new(task: str | type | None, where: str) -> Config:
+    """Defaults for ``task`` (a path, a Task class, or None for the default task)."""
+    if isinstance(task, type):
+        try:
+            cls = taskref.validate_class(task, taskref.task_path(task))
+        except taskref.TaskError as exc:
+            raise ConfigError(str(exc)) from None
+        return Config(task=taskref.task_path(cls), task_config=cls.Config())
+    try:
+        return Config(task=task or taskref.DEFAULT)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (in {where})") from None
+
+
+def from_dict(data: Mapping[str, Any], where: str = "<dict>", task: str | type | None = None) -> Config:
+    """A config from a mapping shaped like the YAML files (``task`` from the mapping unless given)."""
+    spec, flat = _split(data, where)
+    cfg = _new(task if task is not None else spec, where)
+    for key, value in flat.items():
         _apply(cfg, key, value, where)
     return cfg
 
 
-def load(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path`` (if given), then ``KEY=VALUE`` overrides in order."""
+def _read_yaml(path: Path) -> Any:
     import yaml
 
-    cfg = Config()
-    if path is not None:
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise ConfigError(
-                f"config file {path} not found (configs ship under jobs/, e.g. jobs/mnist_sample.yaml)"
-            ) from None
-        except OSError as exc:
-            raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or "invalid YAML"
-            raise ConfigError(f"config file {path} is not valid YAML{at}: {problem}") from None
-        for key, value in _flatten(data, str(path)).items():
-            _apply(cfg, key, value, str(path))
-    for text in overrides:
-        key, value = parse_override(text)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and _wants_text(key):
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {path} not found (configs ship under jobs/, e.g. jobs/mnist_sample.yaml)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {problem}") from None
+
+
+def load(path: str | Path | None = None, overrides: Iterable[str] = (), task: type | None = None) -> Config:
+    """Defaults, then the YAML file at ``path`` (if given), then ``KEY=VALUE`` overrides in order.
+
+    The task (``task:`` in the file, ``task=...`` on the command line, or the ``task`` class given by the
+    Python API) is resolved first: its sections are then checked like the runtime's.
+    """
+    where = str(path) if path is not None else "the command line"
+    spec, flat = _split(_read_yaml(Path(path)), str(path)) if path is not None else (None, {})
+    parsed = [(text, *parse_override(text)) for text in overrides]
+    for _, key, value in parsed:
+        if key == "task":
+            spec, where = value, "the command line"
+    cfg = _new(task if task is not None else spec, where)
+    for key, value in flat.items():
+        _apply(cfg, key, value, str(path))
+    for text, key, value in parsed:
+        if key == "task":
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _wants_text(cfg, key):
             value = text.partition("=")[2].strip()  # run.name=2024 means the name "2024", not an error
         _apply(cfg, key, value, "the command line")
     return cfg
 
 
-def _wants_text(key: str) -> bool:
+def _wants_text(cfg: Config, key: str) -> bool:
     """True when ``key`` is a string field (possibly optional): a number typed for it is its text."""
     section, _, name = key.partition(".")
-    cls = _sections().get(section)
-    tp = typing.get_type_hints(cls).get(name) if cls else None
+    target = cfg.sections().get(section)
+    tp = _field_types(target).get(name) if target is not None else None
     return tp is str or (typing.get_origin(tp) is not Literal and str in typing.get_args(tp))
 
 
@@ -328,25 +420,39 @@ def dump(cfg: Config, path: Path) -> None:
 
 def read_resolved(path: Path) -> Config:
     """Read a run directory's ``config.yaml`` back."""
-    import yaml
-
-    return from_dict(yaml.safe_load(path.read_text()) or {}, str(path))
+    return from_dict(_read_yaml(path) or {}, str(path))
 
 
-# Keys that may differ between the launches of one run: they change how it runs, not what it computes.
+# Runtime keys that may differ between the launches of one run: they change how it runs, not what it
+# computes. A task marks its own with ``checked(..., resumable=True)``.
 RESUMABLE_CHANGES = (
     "run.output_root",
-    "data.root",
-    "data.download",
     "train.log_every_steps",
     "train.log_every_s",
+    "train.workers",
+    "train.prefetch",
+    "train.eval_batch_size",
     "checkpoint.",
     "dist.",
     "slurm.",
 )
 
 
+def _resumable(cfg: Config, key: str) -> bool:
+    if key.startswith(RESUMABLE_CHANGES):
+        return True
+    section, _, name = key.partition(".")
+    target = cfg.sections().get(section)
+    return target is not None and bool(_fields(target).get(name) and _fields(target)[name].metadata.get("resumable"))
+
+
 def incompatible_changes(old: Config, new: Config) -> list[str]:
     """Keys whose values differ in a way that would make a resumed run compute something else."""
-    a, b = _flatten(old.to_dict(), ""), _flatten(new.to_dict(), "")
-    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k] and not k.startswith(RESUMABLE_CHANGES)]
+    if old.task != new.task:
+        return [f"task: {old.task!r} -> {new.task!r}"]
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a[k]!r} -> {b.get(k)!r}" for k in a if a[k] != b.get(k) and not _resumable(new, k)]
+
+
+def _flat(cfg: Config) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, body in cfg.to_dict().items() if s != "task" for k, v in body.items()}

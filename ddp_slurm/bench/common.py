@@ -200,3 +200,33 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def mnist_trainer(model_name: str, global_batch: int, rank: int, world: int, device: torch.device):
+    """(model, step, step on the bare model, batches) built the way ``ddp_slurm.train`` builds them for
+    the MNIST task on the bundled sample: the task's loss, the runtime's optimizer, schedule, DDP
+    wrapper and in-memory batches (an endless iterator over epochs)."""
+    from ddp_slurm import config
+    from ddp_slurm.tasks.mnist import MNIST
+    from ddp_slurm.train import loader, step
+    from ddp_slurm.train.task import Context
+
+    cfg = config.load(overrides=[f"model.name={model_name}", f"train.global_batch_size={global_batch}"])
+    task = MNIST(cfg.task_config, Context(rank, world, rank, device, cfg.run.seed, cfg.run_dir, global_batch))
+    batches = loader.InMemory(task.train_data(), device, cfg.run.seed, global_batch, rank, world)
+    torch.manual_seed(cfg.run.seed)
+    model = task.build_model().to(device)
+    optimizer = step.make_optimizer(cfg.train, model.parameters(), device)
+    scheduler = step.make_scheduler(cfg.train, optimizer, 10**9)  # its length does not change the cost
+    net = step.wrap_ddp(model, device, world, warmup=lambda m: task.training_step(m, batches.first_batch()))
+    train_step = step.make_step(net, optimizer, scheduler, task.training_step, device, cfg.train.precision)
+    # The same step on the module inside DDP: DDP's hooks stay idle when its forward is bypassed.
+    bare = step.make_step(model, optimizer, scheduler, task.training_step, device, cfg.train.precision)
+
+    def endless():
+        epoch = 0
+        while True:
+            yield from batches.epoch(epoch, 0)
+            epoch += 1
+
+    return model, optimizer, train_step, bare, endless()

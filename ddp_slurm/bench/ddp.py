@@ -1,8 +1,8 @@
 """``bench ddp``: weak scaling on one machine, 1 rank against 2 ranks with the same per-rank batch.
 
 Each rank is a real process joined through ``ddp_slurm.bootstrap`` (gloo on CPU; nccl where there are
-two GPUs) and trains with what ``ddp_slurm.train`` uses: ``engine.wrap_ddp``, ``engine.make_step`` and
-the loop's per-step ``engine.StopVote``. Every rank gets the same number of threads, half the machine's
+two GPUs) and trains with what ``ddp_slurm.train`` uses: ``step.wrap_ddp``, ``step.make_step`` (the MNIST
+task's loss) and the loop's per-step ``step.StopVote``. Every rank gets the same number of threads, half the machine's
 CPUs: one rank with all of them would compare two cores against two times one core and measure how
 well one process uses two cores, not what DDP costs.
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from ddp_slurm import bootstrap, config
+from ddp_slurm import bootstrap
 from ddp_slurm.bench import common
-from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import step as engine
 from ddp_slurm.train.signals import StopFlag
 
@@ -219,30 +219,6 @@ def render(p: dict[str, Any]) -> str:
     )
 
 
-def _batches(size: int, seed: int, G: int, rank: int, world: int, device: torch.device) -> Iterator[torch.Tensor]:
-    """This rank's batch indices, epoch after epoch, as the training loop draws them."""
-    epoch = 0
-    while True:
-        perm = data.epoch_permutation(size, seed, epoch).to(device)
-        for i in range(data.steps_per_epoch(size, G)):
-            yield data.rank_batch(perm, i, G, rank, world)
-        epoch += 1
-
-
-def _trainer(model_name: str, G: int, world: int, device: torch.device, train: data.Split):
-    """(model, step, step on the bare model) built as ``ddp_slurm.train`` builds them for ``world`` ranks."""
-    cfg = config.load(overrides=[f"model.name={model_name}", f"train.global_batch_size={G}"])
-    torch.manual_seed(cfg.run.seed)
-    model = models.build(model_name).to(device)
-    optimizer = engine.make_optimizer(cfg.train, model.parameters(), device)
-    scheduler = engine.make_scheduler(cfg.train, optimizer, 10**9)  # its length does not change the cost
-    net = engine.wrap_ddp(model, device, world)
-    step = engine.make_step(net, optimizer, scheduler, train.images, train.labels, cfg.train.precision)
-    # The same step on the module inside DDP: DDP's hooks stay idle when its forward is bypassed.
-    bare = engine.make_step(model, optimizer, scheduler, train.images, train.labels, cfg.train.precision)
-    return model, step, bare
-
-
 def worker(argv: list[str]) -> int:
     """One of the two ranks: time alternating windows (rank 0 alone, both training, both computing), write JSON."""
     import torch.distributed as dist
@@ -257,16 +233,14 @@ def worker(argv: list[str]) -> int:
     with bootstrap.distributed(env, backend, timeout_s=args.timeout) as (device, backend):
         if args.device == "cpu":
             device = torch.device("cpu")  # a GPU machine benchmarking its CPUs
-        train, B, ws = data.load_sample(train=True).to(device), args.batch, env.world_size
-        model, step, bare = _trainer(args.model, B * ws, ws, device, train)
-        batches = _batches(len(train), 0, B * ws, env.rank, ws, device)
+        B, ws = args.batch, env.world_size
+        model, _, step, bare, batches = common.mnist_trainer(args.model, B * ws, env.rank, ws, device)
         votes = engine.StopVote(StopFlag(), ws, device)  # no handlers: nobody signals a benchmark
         if env.rank == 0:  # the 1-rank run: its own model, no DDP, as ddp_slurm.train trains one process
-            _, solo, _ = _trainer(args.model, B, 1, device, train)
-            solo_batches = _batches(len(train), 0, B, 0, 1, device)
+            _, _, solo, _, solo_batches = common.mnist_trainer(args.model, B, 0, 1, device)
             solo_votes = engine.StopVote(StopFlag(), 1, device)
 
-        def run(fn, source: Iterator[torch.Tensor], vote: engine.StopVote | None, n: int) -> None:
+        def run(fn, source: Iterator[Any], vote: engine.StopVote | None, n: int) -> None:
             for i in range(n):
                 loss = fn(next(source))
                 if vote is not None:

@@ -3,7 +3,7 @@
 (a) seed-style: ``torchvision.datasets.MNIST`` (the real class, reading the bundled sample unpacked into
 the layout it expects) + ``ToTensor`` + ``Normalize`` + ``DataLoader``: each sample becomes a PIL image
 and then a float tensor, one at a time, and every batch is collated and copied to the device.
-(b) ddp_slurm: ``engine.make_step`` on the training set held as uint8 on the device; a batch is one
+(b) ddp_slurm: the runtime's step (MNIST task) on the training set held as uint8 on the device; a batch is one
 gather and one normalisation.
 
 Same model architecture and initial weights, same optimizer (Adam, same learning rate: the seed with
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from ddp_slurm import config
 from ddp_slurm.bench import common
 from ddp_slurm.tasks.mnist import data, models
-from ddp_slurm.train import step as engine
 
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -119,31 +118,15 @@ class SeedPipeline:
 
 
 class FastPipeline:
-    """ddp_slurm's step, fed the way ``ddp_slurm.train`` feeds it (one rank)."""
+    """ddp_slurm's step, fed the way ``ddp_slurm.train`` feeds it (one rank, the MNIST task, in memory)."""
 
     def __init__(self, cfg: config.Config, batch: int, device: torch.device, total_steps: int, seed: int) -> None:
-        self.train = data.load_sample(train=True).to(device)
-        torch.manual_seed(seed)
-        self.model = models.build(cfg.model.name).to(device)
-        optimizer = engine.make_optimizer(cfg.train, self.model.parameters(), device)
+        self.model, optimizer, self.step, _, self.batches = common.mnist_trainer(cfg.model.name, batch, 0, 1, device)
         self.optimizer_path = "fused" if optimizer.defaults.get("fused") else "foreach"
-        scheduler = engine.make_scheduler(cfg.train, optimizer, total_steps)
-        net = engine.wrap_ddp(self.model, device, world_size=1)
-        self.step = engine.make_step(
-            net, optimizer, scheduler, self.train.images, self.train.labels, cfg.train.precision
-        )
-        self.batch, self.device, self.seed = batch, device, seed
-        self.steps_per_epoch = data.steps_per_epoch(len(self.train), batch)
-        self.epoch, self.in_epoch = 0, 0
-        self.perm = data.epoch_permutation(len(self.train), seed, 0).to(device)
 
     def run(self, steps: int) -> None:
         for _ in range(steps):
-            if self.in_epoch == self.steps_per_epoch:
-                self.epoch, self.in_epoch = self.epoch + 1, 0
-                self.perm = data.epoch_permutation(len(self.train), self.seed, self.epoch).to(self.device)
-            self.step(data.rank_batch(self.perm, self.in_epoch, self.batch, 0, 1))
-            self.in_epoch += 1
+            self.step(next(self.batches))
 
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
@@ -205,7 +188,7 @@ def render(p: dict[str, Any]) -> str:
             "(a) seed-style: torchvision MNIST + ToTensor + Normalize + DataLoader",
             *common.fmt_spread(p["seed_samples_per_s"]),
         ],
-        ["(b) ddp_slurm: engine.make_step, uint8 data on the device", *common.fmt_spread(p["ddp_slurm_samples_per_s"])],
+        ["(b) ddp_slurm: runtime step, uint8 data on the device", *common.fmt_spread(p["ddp_slurm_samples_per_s"])],
     ]
     notes = [
         f"ratio (b)/(a) of the medians: {p['ratio']:.1f}x  "

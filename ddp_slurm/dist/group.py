@@ -211,3 +211,24 @@ def distributed(env: DistEnv, backend: str = "auto",
         yield init_distributed(env, backend, timeout_s)
     finally:
         shutdown()
+
+
+def on_rank0(env: DistEnv, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and hand its result (or its exception) to every rank.
+
+    The result travels pickled through the process group: keep it small (a path, not a checkpoint).
+    """
+    import torch.distributed as dist
+
+    result: list[Any] = [None]
+    if env.rank == 0:
+        try:
+            result[0] = ("ok", fn())
+        except Exception as exc:  # re-raised on every rank below, so all exit the same way
+            result[0] = ("error", exc)
+    if env.world_size > 1:
+        dist.broadcast_object_list(result, src=0)
+    status, value = result[0]
+    if status == "error":
+        raise value
+    return value

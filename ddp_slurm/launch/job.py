@@ -1,6 +1,6 @@
 """The callable that ``python -m ddp_slurm.submit`` hands to submitit: one rank of the training run.
 
-Every task of the submitit job runs :class:`TrainJob`, which calls ``ddp_slurm.train.main`` with
+Every task of the submitit job runs :class:`TrainJob`, which calls ``ddp_slurm.train.entry.main`` with
 the same ``--config`` and overrides as ``python -m ddp_slurm.train`` would get. The pickle holds
 only those arguments: training state lives in the run directory, so a requeued job (same pickle)
 resumes from the latest checkpoint.
@@ -107,7 +107,7 @@ class TrainJob:
 
     def _run(self, job_env: Any, stop: StopFlag) -> dict[str, Any]:
         from ddp_slurm.launch.sweep import summarize
-        from ddp_slurm.train import loop as train
+        from ddp_slurm.train import entry
 
         rank = job_env.global_rank
         if job_env.cluster == "local":
@@ -127,7 +127,7 @@ class TrainJob:
         errors = _LastError()
         logging.getLogger("ddp_slurm").addHandler(errors)
         try:
-            code = train.main(self.argv, stop=stop)
+            code = entry.main(self.argv, stop=stop)
         finally:
             logging.getLogger("ddp_slurm").removeHandler(errors)
         if code == 0:

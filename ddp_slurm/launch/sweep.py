@@ -115,7 +115,7 @@ def summarize(run_dir: Path, name: str | None = None) -> RunSummary:
         if kind == "start":
             starts += 1
             out.status = "running"
-        elif kind == "eval":
+        elif kind == "eval" and "accuracy" in row:  # tasks without an accuracy metric have none to show
             out.final_accuracy = row["accuracy"]
             out.best_accuracy = max(out.best_accuracy or 0.0, row["accuracy"])
         elif kind == "stop":

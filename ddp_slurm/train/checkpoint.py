@@ -25,14 +25,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)  # 1: this release's earlier layout, upgraded on load (train.state.upgrade)
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 REQUIRED = {
     "format": int,
     "model": dict,
     "step": int,
     "epoch": int,
-    "samples_in_epoch": int,
     "finished": bool,
     "content_sha256": str,
 }
@@ -178,8 +178,8 @@ def validate(state: Any) -> None:
     for key, tp in REQUIRED.items():
         if not isinstance(state.get(key), tp):
             raise ValueError(f"missing or wrong-typed {key!r}")
-    if state["format"] != FORMAT:
-        raise ValueError(f"format {state['format']} (this version reads {FORMAT})")
+    if state["format"] not in READABLE_FORMATS:
+        raise ValueError(f"format {state['format']} (this version reads formats {READABLE_FORMATS})")
     if content_digest(state) != state["content_sha256"]:
         raise ValueError("content digest mismatch (corrupted data)")
     for name, t in _tensors(state["model"]):

@@ -1,116 +1,74 @@
-"""``python -m ddp_slurm.train [--config FILE] [KEY=VALUE ...]``: one rank of a DDP run (or all of a 1-rank one).
+"""The training loop: one rank's view of a run, for any task. It knows no dataset or model by name.
 
-Exit codes: 0 finished (or already finished); 2 usage or config error, nothing started; 75 stopped
-on a signal after writing a checkpoint (launch again to resume; inside Slurm with requeue on, the
-job is already requeued); 3 the requeue cap was reached; 1 any other failure, reason in the log.
+Read ``_train`` top to bottom: resume or start, then steps until the last one or a stop signal. The
+task supplies the model, the data and the loss (``train/task.py``); the step, the DDP wrapper and the
+evaluation are in ``step.py``; what a checkpoint holds is in ``state.py``; the batches in ``loader.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-import random
 import socket
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddp_slurm import bootstrap, config
-from ddp_slurm.bootstrap import BootstrapError, DistEnv
-from ddp_slurm.config import Config, ConfigError
-from ddp_slurm.dist import slurm, watchdog
-from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED, EXIT_USAGE  # noqa: F401
-from ddp_slurm.tasks.mnist import data, models
-from ddp_slurm.train import checkpoint, logs
-from ddp_slurm.train import step as engine
+from ddp_slurm.config import Config
+from ddp_slurm.dist import slurm
+from ddp_slurm.dist.env import DistEnv
+from ddp_slurm.dist.group import on_rank0
+from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
+from ddp_slurm.train import checkpoint, loader, logs, rundir, state, step
 from ddp_slurm.train.metrics import MetricsWriter
-from ddp_slurm.train.rundir import RunLock, RunLocked
-from ddp_slurm.train.signals import StopFlag, parse_signal
+from ddp_slurm.train.signals import StopFlag
+from ddp_slurm.train.task import Context, Task
 
 log = logging.getLogger("ddp_slurm")
-
-
-class UsageError(RuntimeError):
-    """A usage problem found once the ranks are up (run directory busy or holding another config): exit 2."""
-
-
-class RunDirError(RuntimeError):
-    """The run directory cannot be written (read-only or full file system, permissions)."""
 
 
 class NonFiniteLoss(RuntimeError):
     """The loss or the weights became NaN/inf: stop before anything is saved."""
 
 
-# Errors whose message says it all: logged as one line, no traceback.
-EXPECTED_ERRORS = (
-    checkpoint.CheckpointError,
-    data.DataError,
-    NonFiniteLoss,
-    BootstrapError,
-    RunLocked,
-    bootstrap.RendezvousError,
-    watchdog.PeerLost,
-    RunDirError,
-)
+class LossWindow:
+    """The training loss averaged over the steps between two log lines, and the rate over them.
 
+    The loss stays on the device while it accumulates: reading it is the one host sync per window.
+    """
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints its usage block before a bad flag's error; every rank of a big job would repeat it."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"ddp_slurm.train: error: {message} (see --help)\n")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _OneLineParser(
-        prog="python -m ddp_slurm.train",
-        description="Train one rank of a DDP run.",
-        epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3",
-    )
-    parser.add_argument("--config", type=Path, help="YAML job config (default: the bundled-sample defaults)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    return parser.parse_args(argv)
-
-
-def check_world(cfg: Config, env: DistEnv) -> None:
-    """Config errors that depend on the world size, found before anything starts."""
-    g, ws = cfg.train.global_batch_size, env.world_size
-    if g % ws:
-        raise ConfigError(
-            f"train.global_batch_size={g} is not divisible by the world size {ws}: choose a multiple of {ws}"
+    def __init__(self, device: torch.device, world_size: int, global_batch: int, step: int) -> None:
+        self.sum, self.n, self.world_size, self.global_batch = (
+            torch.zeros((), device=device),
+            0,
+            world_size,
+            global_batch,
         )
-    size = data.TRAIN_SIZES[cfg.data.source]
-    if g > size:
-        raise ConfigError(f"train.global_batch_size={g} is larger than the {cfg.data.source} training set ({size})")
+        self.started, self.first_step = time.monotonic(), step
+        self.loss: float | None = None
+        self.rate: float | None = None
 
+    def add(self, loss: torch.Tensor) -> None:
+        self.sum += loss
+        self.n += 1
 
-def on_rank0(env: DistEnv, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 and hand its result (or its exception) to every rank."""
-    result: list[Any] = [None]
-    if env.rank == 0:
-        try:
-            result[0] = ("ok", fn())
-        except Exception as exc:  # re-raised on every rank below, so all exit the same way
-            result[0] = ("error", exc)
-    if env.world_size > 1:
-        dist.broadcast_object_list(result, src=0)
-    status, value = result[0]
-    if status == "error":
-        raise value
-    return value
+    def close(self, step: int) -> tuple[float, float]:
+        """The window's mean loss over ranks and samples/s; starts the next window."""
+        mean = self.sum / max(self.n, 1)
+        if self.world_size > 1:
+            dist.all_reduce(mean)
+            mean /= self.world_size
+        now = time.monotonic()
+        self.loss, self.rate = mean.item(), (step - self.first_step) * self.global_batch / (now - self.started)
+        self.sum.zero_()
+        self.n, self.started, self.first_step = 0, now, step
+        return self.loss, self.rate
 
 
 def log_placement(env: DistEnv) -> None:
-    """Rank 0 logs once which host each rank runs on, grouped by host: the other ranks log only
-    warnings, and the rank map is the first thing to check when a multi-node job misbehaves."""
+    """Rank 0 logs once which host each rank runs on: the first thing to check when a job misbehaves."""
     host = socket.gethostname()
     hosts = [host] * env.world_size
     if env.world_size > 1:
@@ -119,133 +77,45 @@ def log_placement(env: DistEnv) -> None:
         log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
 
 
-def prepare_run_dir(cfg: Config, lock: RunLock) -> tuple[Path, dict[str, Any]] | None:
-    """Rank 0: refuse a run directory holding another config or another live launch, take the lock,
-    write the resolved config, and find the checkpoint to resume from (None: fresh start)."""
-    run_dir, saved = cfg.run_dir, cfg.run_dir / "config.yaml"
-    if saved.exists():
-        diffs = config.incompatible_changes(config.read_resolved(saved), cfg)
-        if diffs:
-            raise UsageError(
-                f"run directory {run_dir} holds a run with another config ({'; '.join(diffs)}): "
-                "launch with the same settings to resume it, or choose another run.name"
-            )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-        checkpoint.remove_stale_temporaries(run_dir)
-        found = checkpoint.latest(run_dir)
-        config.dump(cfg, saved)
-    except RunLocked as exc:
-        raise UsageError(str(exc)) from None
-    except OSError as exc:  # a read-only or full file system, no permission: one line, not a traceback
-        raise RunDirError(
-            f"cannot write the run directory {run_dir}: {exc.strerror or exc} ({exc.filename}); "
-            "make it writable or choose another run.output_root"
-        ) from None
-    return found
-
-
-@dataclass
-class Position:
-    """Where training stands; restored exactly from a checkpoint."""
-
-    step: int = 0
-    epoch: int = 0
-    step_in_epoch: int = 0
-    elapsed_s: float = 0.0
-    best_accuracy: float = 0.0
-    last_saved: int = -1
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(
-    cfg: Config,
-    env: DistEnv,
-    model,
-    optimizer,
-    scheduler,
-    pos: Position,
-    finished: bool,
-    device: torch.device,
-    t0: float,
-) -> None:
-    """Rank 0 writes; the result is shared so that no rank continues (or exits) before the file is in place."""
-
-    def write() -> None:
-        if not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise NonFiniteLoss(
-                f"weights are not finite at step {pos.step}: not saving them; "
-                "the last good checkpoint is kept (lower train.lr?)"
-            )
-        state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": pos.step,
-            "epoch": pos.epoch,
-            "samples_in_epoch": pos.step_in_epoch * cfg.train.global_batch_size,
-            "finished": finished,
-            "elapsed_s": pos.elapsed_s + time.monotonic() - t0,
-            "best_accuracy": pos.best_accuracy,
-            "rng": rng_state(device),
-            "config": cfg.to_dict(),
-            "world_size": env.world_size,
-            "restart_count": env.restart_count,
-        }
-        path = checkpoint.save(cfg.run_dir, state, keep=cfg.checkpoint.keep)
-        log.info("checkpoint %s", path)
-
-    on_rank0(env, write)
-    pos.last_saved = pos.step
-
-
-def train(cfg: Config, env: DistEnv, device: torch.device, backend: str, stop: StopFlag) -> int:
+def train(cfg: Config, task_cls: type[Task], env: DistEnv, device: torch.device, backend: str, stop: StopFlag) -> int:
+    """Take the run directory (rank 0), then train; returns the exit code."""
     t0 = time.monotonic()
     if cfg.train.precision == "bf16" and device.type != "cuda":
-        raise UsageError("train.precision=bf16 needs CUDA; use train.precision=fp32 on CPU")
+        raise rundir.UsageError("train.precision=bf16 needs CUDA; use train.precision=fp32 on CPU")
     log_placement(env)
-    lock = RunLock(cfg.run_dir)
+    lock = rundir.RunLock(cfg.run_dir)
+    found: dict[str, Any] = {}
+
+    def take_run_dir() -> Path | None:
+        latest = rundir.prepare(cfg, lock)
+        if latest is None:
+            return None
+        found["state"] = latest[1]
+        return latest[0]
+
     try:
-        found = on_rank0(env, lambda: prepare_run_dir(cfg, lock))
-        return _train(cfg, env, device, backend, stop, found, t0)
+        path = on_rank0(env, take_run_dir)  # only the path travels: each rank reads the file itself
+        resumed = None if path is None else found["state"] if env.rank == 0 else checkpoint.load(path)
+        return _train(cfg, task_cls, env, device, backend, stop, resumed, t0)
     finally:
         lock.release()
 
 
 def _train(
     cfg: Config,
+    task_cls: type[Task],
     env: DistEnv,
     device: torch.device,
     backend: str,
     stop: StopFlag,
-    found: tuple[Path, dict[str, Any]] | None,
+    resumed: dict[str, Any] | None,
     t0: float,
 ) -> int:
-    state = None
-    if found is not None:  # rank 0 already holds it; the others read the same file
-        state = found[1] if env.rank == 0 else checkpoint.load(found[0])
-        if state["finished"]:
-            log.info(
-                "run %s already finished at step %d (best test accuracy %.2f%%); nothing to do",
-                cfg.run_dir,
-                state["step"],
-                100 * state.get("best_accuracy", 0.0),
-            )
-            return EXIT_OK
+    if resumed is not None and resumed["finished"]:
+        name, value = task_cls.best_metric, resumed.get("best", resumed.get("best_accuracy"))
+        best = f" (best test {logs.metric(name, value)})" if name and value is not None else ""
+        log.info("run %s already finished at step %d%s; nothing to do", cfg.run_dir, resumed["step"], best)
+        return EXIT_OK
     if env.in_slurm_job and env.restart_count > cfg.slurm.max_requeues:
         log.error(
             "requeue cap reached: restart %d > slurm.max_requeues=%d; not training. Raise the cap or "
@@ -255,82 +125,101 @@ def _train(
         )
         return EXIT_REQUEUE_CAP
 
-    # Data: full MNIST is fetched by rank 0 only; the others wait for it.
-    if cfg.data.source == "mnist":
-        on_rank0(env, lambda: data.ensure_mnist(Path(cfg.data.root), cfg.data.download, True))
-    train_set = data.load_split(cfg.data.source, cfg.data.root, train=True).to(device)
-    test_set = data.load_split(cfg.data.source, cfg.data.root, train=False).to(device)
-    G, ws = cfg.train.global_batch_size, env.world_size
-    steps_per_epoch = data.steps_per_epoch(len(train_set), G)
-    total_steps = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps is not None:
-        total_steps = min(total_steps, cfg.train.max_steps)
+    G, ws, tc = cfg.train.global_batch_size, env.world_size, cfg.train
+    ctx = Context(env.rank, ws, env.local_rank, device, cfg.run.seed, cfg.run_dir, G)
+    task = task_cls(cfg.task_config, ctx)
+    on_rank0(env, task.prepare_data)  # downloads happen once; the other ranks wait for them
+    batches = loader.make_batches(task.train_data(), device, cfg.run.seed, G, env.rank, ws, tc)
+    eval_data = task.eval_data()
+    total_steps = tc.epochs * batches.steps_per_epoch
+    total_steps = min(total_steps, tc.max_steps) if tc.max_steps is not None else total_steps
 
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = models.build(cfg.model.name).to(device)
-    optimizer = engine.make_optimizer(cfg.train, model.parameters(), device)
-    scheduler = engine.make_scheduler(cfg.train, optimizer, total_steps)
-    pos = Position()
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"], device)
-        pos = Position(
-            step=state["step"],
-            epoch=state["epoch"],
-            step_in_epoch=state["samples_in_epoch"] // G,
-            elapsed_s=state["elapsed_s"],
-            best_accuracy=state["best_accuracy"],
-            last_saved=state["step"],
-        )
-    ddp = engine.wrap_ddp(model, device, ws)  # the bare model for one process: nothing to all-reduce
-    step_fn = engine.make_step(ddp, optimizer, scheduler, train_set.images, train_set.labels, cfg.train.precision)
+    model = task.build_model().to(device)
+    optimizer = task.configure_optimizer(model) or step.make_optimizer(tc, model.parameters(), device)
+    scheduler = task.configure_scheduler(optimizer, total_steps) or step.make_scheduler(tc, optimizer, total_steps)
+    if resumed is not None:
+        pos = state.restore(resumed, model, optimizer, scheduler, task, cfg.run.seed, device, env.rank, ws)
+    else:
+        pos = state.Position()
+        state.seed_rank(cfg.run.seed, env.rank, 0, device)  # each rank its own dropout/augmentation stream
+    ddp = step.wrap_ddp(model, device, ws, warmup=lambda net: task.training_step(net, batches.first_batch()))
+    train_step = step.make_step(ddp, optimizer, scheduler, task.training_step, device, tc.precision)
 
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None)
-    elapsed = lambda: pos.elapsed_s + time.monotonic() - t0  # noqa: E731
+
+    def elapsed() -> float:
+        return pos.elapsed_s + time.monotonic() - t0
+
+    def save(finished: bool = False) -> None:
+        """Every rank hands rank 0 its RNG streams; rank 0 writes; no rank goes on before the file is in place."""
+        snapshot = state.capture(
+            model,
+            optimizer,
+            scheduler,
+            task,
+            pos,
+            finished,
+            elapsed(),
+            {"config": cfg.to_dict(), "restart_count": env.restart_count},
+            device,
+            env.rank,
+            ws,
+        )
+
+        def write() -> None:
+            if not all(torch.isfinite(p).all() for p in model.parameters()):
+                raise NonFiniteLoss(
+                    f"weights are not finite at step {pos.step}: not saving them; "
+                    "the last good checkpoint is kept (lower train.lr?)"
+                )
+            log.info("checkpoint %s", checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep))
+
+        on_rank0(env, write)
+        pos.last_saved = pos.step
+
     metrics.write(
         "start",
         pos.step,
         pos.epoch,
         elapsed(),
-        resumed=state is not None,
+        resumed=resumed is not None,
         restart_count=env.restart_count,
         world_size=ws,
         launcher=env.launcher,
+        task=cfg.task,
+        job_id=env.job_id,
     )
     log.info(
         "%s run %s: world size %d on %d node(s) via %s, backend %s, device %s, %s",
-        "resuming" if state else "starting",
+        "resuming" if resumed else "starting",
         cfg.run_dir,
         ws,
         env.num_nodes,
         env.launcher,
         backend,
         device,
-        f"from step {pos.step} (restart {env.restart_count})" if state else "fresh start",
+        f"from step {pos.step} (restart {env.restart_count})" if resumed else "fresh start",
     )
 
-    save = lambda finished=False: save_checkpoint(cfg, env, model, optimizer, scheduler, pos, finished, device, t0)  # noqa: E731
-    progress = logs.Progress(env.rank == 0, cfg.train.log_every_s)
-    votes = engine.StopVote(stop, ws, device)
-    loss_sum, loss_n, window_t, window_step = torch.zeros((), device=device), 0, time.monotonic(), pos.step
-    last_loss = last_rate = None
-    perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch).to(device)  # batches index on the device
-    # this epoch's steps for the progress display: fewer than a full epoch where train.max_steps ends it early
-    epoch_steps = lambda: min(steps_per_epoch, pos.step_in_epoch + total_steps - pos.step)  # noqa: E731
-    progress.start_epoch(pos.epoch, cfg.train.epochs, epoch_steps(), pos.step_in_epoch)
+    progress = logs.Progress(env.rank == 0, tc.log_every_s)
+    votes = step.StopVote(stop, ws, device)
+    window = LossWindow(device, ws, G, pos.step)
+    spe = batches.steps_per_epoch
 
+    def epoch_steps() -> int:  # this epoch's steps for the progress display (train.max_steps may end it early)
+        return min(spe, pos.step_in_epoch + total_steps - pos.step)
+
+    epoch_batches = batches.epoch(pos.epoch, pos.step_in_epoch)
+    progress.start_epoch(pos.epoch, tc.epochs, epoch_steps(), pos.step_in_epoch)
     requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)  # a signal that came before the first step
     while not (requeue or terminate) and pos.step < total_steps:
-        loss = step_fn(data.rank_batch(perm, pos.step_in_epoch, G, env.rank, ws))
-        pos.step += 1
-        pos.step_in_epoch += 1
-        loss_sum += loss
-        loss_n += 1
-        end_of_epoch = pos.step_in_epoch == steps_per_epoch or pos.step == total_steps
+        loss = train_step(next(epoch_batches))
+        pos.advance()
+        window.add(loss)
+        end_of_epoch = pos.step_in_epoch == spe or pos.step == total_steps
         saving = end_of_epoch or bool(cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0)
-        # The ranks agree on stopping one step late, without waiting for each other (engine.StopVote);
+        # The ranks agree on stopping one step late, without waiting for each other (step.StopVote);
         # before an evaluation or a save they wait, so that nothing non-finite is evaluated or saved.
         requeue, terminate, bad = votes.exchange(loss, pos.step, wait=saving)
         if bad:
@@ -338,43 +227,29 @@ def _train(
                 f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
                 "(lower train.lr and start a new run.name)"
             )
-
-        if pos.step % cfg.train.log_every_steps == 0:  # the only per-window host sync for the loss
-            mean = loss_sum / loss_n
-            if ws > 1:
-                dist.all_reduce(mean)
-                mean /= ws
-            now = time.monotonic()
-            last_loss, last_rate = mean.item(), (pos.step - window_step) * G / (now - window_t)
+        if pos.step % tc.log_every_steps == 0:
+            mean, rate = window.close(pos.step)
             metrics.write(
-                "train", pos.step, pos.epoch, elapsed(), loss=last_loss, samples_per_s=last_rate, world_size=ws
+                "train",
+                pos.step,
+                pos.epoch,
+                elapsed(),
+                loss=mean,
+                samples_per_s=rate,
+                world_size=ws,
+                lr=scheduler.get_last_lr()[0],
             )
-            loss_sum.zero_()
-            loss_n, window_t, window_step = 0, now, pos.step
-        eta = (total_steps - pos.step) * G / last_rate if last_rate else None
-        progress.update(pos.step, pos.epoch, pos.step_in_epoch, epoch_steps(), last_loss, last_rate, eta)
+        eta = (total_steps - pos.step) * G / window.rate if window.rate else None
+        progress.update(pos.step, pos.epoch, pos.step_in_epoch, epoch_steps(), window.loss, window.rate, eta)
 
         if end_of_epoch:
             progress.end_epoch()
-            accuracy, images, test_loss = engine.evaluate(model, test_set, env.rank, ws, cfg.train.precision)
-            pos.best_accuracy = max(pos.best_accuracy, accuracy)
-            metrics.write(
-                "eval", pos.step, pos.epoch, elapsed(), accuracy=accuracy, test_samples=images, loss=test_loss
-            )
-            log.info(
-                "epoch %d/%d: train loss %s, test accuracy %.2f%% (%d images), %s samples/s",
-                pos.epoch + 1,
-                cfg.train.epochs,
-                f"{last_loss:.4f}" if last_loss is not None else "n/a",
-                100 * accuracy,
-                images,
-                f"{last_rate:,.0f}" if last_rate else "n/a",
-            )
-            pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
-            perm = data.epoch_permutation(len(train_set), cfg.run.seed, pos.epoch).to(device)
+            evaluate(cfg, task, model, eval_data, env, device, pos, metrics, window, elapsed())
+            pos.next_epoch()
+            epoch_batches = batches.epoch(pos.epoch, 0)
             save(finished=pos.step >= total_steps)
             if pos.step < total_steps:
-                progress.start_epoch(pos.epoch, cfg.train.epochs, epoch_steps(), 0)
+                progress.start_epoch(pos.epoch, tc.epochs, epoch_steps(), 0)
         elif saving:
             save()
         if saving:  # a signal that came during the evaluation or the save stops here: this step is on disk
@@ -382,28 +257,48 @@ def _train(
 
     votes.settle()  # the last step's flags, when a signal ended the loop: no collective left in flight
     progress.end_epoch()
+    stop.stopping = True  # from here on stop signals are absorbed until the process exits (see signals.py)
     if (requeue or terminate) and pos.step < total_steps:
-        stop.stopping = True  # keep absorbing stop signals until the process exits (see signals.py)
         return stop_on_signal(cfg, env, pos, requeue and not terminate, save, metrics, elapsed())
     if requeue or terminate:  # came during the last step or the final evaluation: the work is done, no requeue
         log.info("stop signal after the last step: the run is finished, its final checkpoint is on disk")
-    # The work is done: a stop signal during the shutdown (Slurm's time-limit warning can land in it)
-    # must be absorbed, not kill a rank that has finished and turn a completed job into a failed one.
-    stop.stopping = True
-    metrics.write("end", pos.step, pos.epoch, elapsed(), best_accuracy=pos.best_accuracy)
+    name = task_cls.best_metric
+    metrics.write("end", pos.step, pos.epoch, elapsed(), **({f"best_{name}": pos.best} if name else {}))
     metrics.close()
-    log.info(
-        "finished: %d steps, best test accuracy %.2f%%, %.1f s; run directory %s",
-        pos.step,
-        100 * pos.best_accuracy,
-        elapsed(),
-        cfg.run_dir,
-    )
+    best = f", best test {logs.metric(name, pos.best)}" if name and pos.best is not None else ""
+    log.info("finished: %d steps%s, %.1f s; run directory %s", pos.step, best, elapsed(), cfg.run_dir)
     return EXIT_OK
 
 
+def evaluate(
+    cfg: Config,
+    task: Task,
+    model: torch.nn.Module,
+    eval_data: Any,
+    env: DistEnv,
+    device: torch.device,
+    pos: state.Position,
+    metrics: MetricsWriter,
+    window: LossWindow,
+    elapsed: float,
+) -> None:
+    """End of an epoch: evaluate (each sample once over all ranks), record, log one line."""
+    tc = cfg.train
+    summary = f"epoch {pos.epoch + 1}/{tc.epochs}: train loss " + (
+        f"{window.loss:.4f}" if window.loss is not None else "n/a"
+    )
+    if eval_data is not None:
+        batches = loader.eval_batches(eval_data, device, env.rank, env.world_size, tc.eval_batch_size, tc.workers)
+        values, samples = step.evaluate(model, batches, task.eval_step, device, env.world_size, tc.precision)
+        pos.improve(values.get(task.best_metric) if task.best_metric else None, task.higher_is_better)
+        metrics.write("eval", pos.step, pos.epoch, elapsed, test_samples=samples, **values)
+        shown = ", ".join(logs.metric(k, v) for k, v in values.items())
+        summary += f", test {shown} ({samples} samples)"
+    log.info("%s, %s samples/s", summary, f"{window.rate:,.0f}" if window.rate else "n/a")
+
+
 def stop_on_signal(
-    cfg: Config, env: DistEnv, pos: Position, wants_requeue: bool, save, metrics: MetricsWriter, elapsed: float
+    cfg: Config, env: DistEnv, pos: state.Position, wants_requeue: bool, save, metrics: MetricsWriter, elapsed: float
 ) -> int:
     """Checkpoint (unless this step is already on disk), requeue if asked to, and say how to continue.
 
@@ -428,68 +323,3 @@ def stop_on_signal(
             slurm.requeue(env.slurm_job_ref)
     log.info("stopped on signal at step %d with a checkpoint; launch again to resume (exit %d)", pos.step, EXIT_STOPPED)
     return EXIT_STOPPED
-
-
-def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
-    """Train one rank; returns the exit code.
-
-    ``stop``: a StopFlag the caller already installed for ``slurm.signal`` (the submitit callable does,
-    before anything else runs, so that no stop signal reaches submitit's own handlers); main then
-    leaves installing and restoring it to the caller.
-    """
-    args = parse_args(argv)
-    own_stop = stop is None
-    try:
-        cfg = config.load(args.config, args.overrides)
-        env = DistEnv.from_environ(os.environ)
-        check_world(cfg, env)
-        if stop is None:
-            stop = StopFlag(parse_signal(cfg.slurm.signal))
-    except (ConfigError, BootstrapError) as exc:
-        print(f"ddp_slurm.train: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    logs.setup(env.rank)
-    if own_stop:
-        stop.install()  # before the rendezvous: a signal at any time from here on is a clean stop
-    try:
-        with (
-            bootstrap.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend),
-            watchdog.watch(env, ignore=EXPECTED_ERRORS + (UsageError,)),
-        ):  # names a lost rank if one vanishes
-            return train(cfg, env, device, backend, stop)
-    except UsageError as exc:
-        log.error("%s", exc)
-        return EXIT_USAGE
-    except EXPECTED_ERRORS as exc:
-        log.error("%s", exc)
-        return EXIT_FAILURE
-    except Exception as exc:
-        gist = logs.collective_failure(exc)
-        if gist:  # a consequence: the rank that failed first has logged the traceback that matters
-            log.error("training failed: another rank stopped answering (its log says why): %s", gist)
-        else:
-            log.exception("training failed")
-        return EXIT_FAILURE
-    finally:
-        if own_stop:
-            stop.close()  # a stopping rank ignores further stop signals until it has exited (see signals.py)
-
-
-def exit_now(code: int) -> None:
-    """Leave the process without interpreter finalization, once everything is flushed.
-
-    With torch's gloo backend, finalization can meet a gloo worker thread that still needs the GIL;
-    Python then ends that thread, which aborts the whole process ("terminate called without an
-    active exception", exit 134) in a few percent of runs that had finished cleanly, turning a
-    completed Slurm job into a failed one. Nothing is lost by skipping it: the metrics file, the
-    checkpoints and the run lock are closed by the time ``main`` returns. It also saves the seconds
-    that tearing down torch takes in every rank.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    exit_now(main())

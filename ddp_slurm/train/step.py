@@ -13,16 +13,15 @@ import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ddp_slurm.config import TrainConfig
-from ddp_slurm.tasks.mnist.data import Split, eval_shard, normalize
+from ddp_slurm.train.loader import batch_size_of
 from ddp_slurm.train.signals import StopFlag
 
 _PLAIN_METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
@@ -76,7 +75,12 @@ def make_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opti
         return build(foreach=True)
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
+def wrap_ddp(
+    model: nn.Module,
+    device: torch.device,
+    world_size: int,
+    warmup: Callable[[nn.Module], torch.Tensor] | None = None,
+) -> nn.Module:
     """The module the training step calls: DDP across ranks, the bare model for one process.
 
     One process has nothing to all-reduce, and DDP would still copy every gradient into its bucket
@@ -104,7 +108,8 @@ def wrap_ddp(model: nn.Module, device: torch.device, world_size: int) -> nn.Modu
         **no_buffer_sync,
         **({"bucket_cap_mb": cap} if cap is not None else {}),
     )
-    settle_buckets(ddp, model, device)
+    if warmup is not None:
+        settle_buckets(ddp, model, lambda: warmup(ddp))
     return ddp
 
 
@@ -127,20 +132,55 @@ def bucket_cap_mb(model: nn.Module) -> float | None:
     return grad_bytes / 2 / 2**20
 
 
-def settle_buckets(ddp: nn.Module, model: nn.Module, device: torch.device) -> None:
+def settle_buckets(ddp: nn.Module, model: nn.Module, loss_of: Callable[[], torch.Tensor]) -> None:
     """One throwaway backward, so that every real step reduces gradients in DDP's final bucket layout.
 
     DDP sums gradients in the layout of its buckets and rebuilds that layout after the first backward
     (in the order the gradients became ready). With three or more ranks the layout decides in which
     order the ranks' float gradients are added, so the first step of each launch would round
     differently from the same step of an uninterrupted run, and a resumed run would not end
-    bit-identical. Eval mode: no dropout draw, no batch-norm statistics update; gradients dropped.
+    bit-identical. ``loss_of`` runs the task's own step on a real batch (through ``ddp``). Eval mode:
+    no dropout, no batch-norm statistics update; every RNG stream is put back (an augmentation in the
+    step must draw the same numbers in the first real step); gradients dropped.
     """
     was_training = model.training
     model.eval()
-    ddp(torch.zeros(1, 1, 28, 28, device=device)).sum().backward()
-    model.train(was_training)
-    model.zero_grad(set_to_none=True)
+    saved = rng_states()
+    try:
+        loss_of().float().sum().backward()
+    finally:
+        set_rng_states(saved)
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
+
+
+def rng_states() -> tuple[Any, ...]:
+    import random
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return random.getstate(), torch.get_rng_state(), cuda, _numpy_state()
+
+
+def set_rng_states(saved: tuple[Any, ...]) -> None:
+    import random
+
+    py, cpu, cuda, np_state = saved
+    random.setstate(py)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    if np_state is not None:
+        import numpy as np
+
+        np.random.set_state(np_state)
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np.random.get_state()
 
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
@@ -161,24 +201,17 @@ def make_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    images: torch.Tensor,
-    labels: torch.Tensor,
+    loss_of: Callable[[nn.Module, Any], torch.Tensor],
+    device: torch.device,
     precision: str = "fp32",
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Return ``step(indices) -> loss`` training on ``images[indices]`` (data already on the device).
-
-    ``indices`` should already be on the device too (move the epoch's permutation once, not each batch).
-    """
-    device = images.device
+) -> Callable[[Any], torch.Tensor]:
+    """Return ``step(batch) -> loss``: the task's loss (``loss_of(model, batch)``), backward, optimizer and
+    schedule steps. Nothing in it waits for the device: the loss comes back as a tensor."""
     cast = autocast(device, precision)
 
-    def step(indices: torch.Tensor) -> torch.Tensor:
-        if indices.device != device:
-            indices = indices.to(device, non_blocking=True)
-        x = normalize(images.index_select(0, indices))
-        y = labels.index_select(0, indices)
+    def step(batch: Any) -> torch.Tensor:
         with cast:
-            loss = F.cross_entropy(model(x), y)
+            loss = loss_of(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -190,36 +223,49 @@ def make_step(
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, test: Split, rank: int, world_size: int, precision: str = "fp32", batch: int = 256
-) -> tuple[float, int, float]:
-    """Exact distributed evaluation: every test image counted once whatever the world size.
+    model: nn.Module,
+    batches: Iterable[Any],
+    metrics_of: Callable[[nn.Module, Any], dict[str, torch.Tensor]],
+    device: torch.device,
+    world_size: int,
+    precision: str = "fp32",
+) -> tuple[dict[str, float], int]:
+    """Exact distributed evaluation: per-sample metric sums over this rank's shard, added over ranks,
+    divided by the number of samples (every sample counted once whatever the world size).
 
     ``model`` must be the bare module, not the DDP wrapper (ranks hold shards of unequal size). Every
     rank first takes rank 0's buffers: batch-norm statistics drift apart between ranks during training
     (see ``wrap_ddp``), and the model evaluated must be the one rank 0 checkpoints. Returns
-    (accuracy, images, loss).
+    (metrics, samples).
     """
     if world_size > 1:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
     was_training = model.training
     model.eval()
-    start, stop = eval_shard(len(test), rank, world_size)
-    device = test.images.device
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct, count, summed loss
+    names: list[str] | None = None
+    totals = torch.zeros(1, dtype=torch.float64, device=device)  # [samples, metric sums ...]
     with autocast(device, precision):
-        for i in range(start, stop, batch):
-            x = normalize(test.images[i : min(i + batch, stop)])
-            y = test.labels[i : min(i + batch, stop)]
-            logits = model(x).float()
-            totals[0] += (logits.argmax(1) == y).sum()
-            totals[1] += y.numel()
-            totals[2] += F.cross_entropy(logits, y, reduction="sum")
+        for batch in batches:
+            sums = metrics_of(model, batch)
+            if names is None:
+                names = sorted(sums)
+                totals = torch.zeros(1 + len(names), dtype=torch.float64, device=device)
+            totals[0] += batch_size_of(batch)
+            for i, name in enumerate(names, 1):
+                totals[i] += sums[name].detach().double().sum()
     if world_size > 1:
+        layout: list[Any] = [names]
+        dist.broadcast_object_list(layout, src=0)  # a rank whose shard is empty learns the metric names
+        if names is None:
+            names = layout[0] or []
+            totals = torch.zeros(1 + len(names), dtype=torch.float64, device=device)
         dist.all_reduce(totals)
+    names = names or []
     model.train(was_training)
-    correct, count, loss_sum = totals.tolist()
-    return correct / max(count, 1), int(count), loss_sum / max(count, 1)
+    values = totals.tolist()
+    count = int(values[0])
+    return {name: v / max(count, 1) for name, v in zip(names, values[1:])}, count
 
 
 class StopVote:

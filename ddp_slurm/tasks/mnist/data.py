@@ -1,10 +1,7 @@
-"""MNIST held in memory as uint8 tensors, sharded across ranks without a DataLoader.
+"""MNIST as uint8 tensors: the bundled sample, or full MNIST read (and downloaded) with torchvision.
 
-The training set is one ``uint8 [N, 28, 28]`` tensor (moved to the GPU once when there is one); each
-step gathers its rows by index and normalises them as a batch. The data order of an epoch is a
-permutation drawn from ``(seed, epoch)``: identical on every rank with no communication, and
-reproducible after a restart, which is what makes resume exact. Each global batch is a contiguous
-slice of the permutation and each rank takes its own disjoint part of it.
+The task hands them to the runtime's in-memory path (``ddp_slurm.train.loader.InMemory``): one
+``uint8 [N, 28, 28]`` tensor on the device, batches gathered by index and normalised as a batch.
 
 ``python -m ddp_slurm.data download --root DIR`` fetches full MNIST on a machine with internet.
 """
@@ -145,29 +142,6 @@ def load_split(source: str, root: str | Path, train: bool) -> Split:
 def normalize(images_u8: torch.Tensor) -> torch.Tensor:
     """uint8 [B, 28, 28] -> float32 [B, 1, 28, 28], standardised."""
     return images_u8.unsqueeze(1).float().sub_(MEAN * 255).mul_(1.0 / (STD * 255))
-
-
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    """The epoch's data order: a pure function of (seed, epoch), the same on every rank and every restart."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=gen)
-
-
-def steps_per_epoch(num_samples: int, global_batch: int) -> int:
-    """Full global batches only: a ragged last batch would give ranks unequal work and change the math."""
-    return num_samples // global_batch
-
-
-def rank_batch(perm: torch.Tensor, step_in_epoch: int, global_batch: int, rank: int, world_size: int) -> torch.Tensor:
-    """Indices this rank trains on at ``step_in_epoch``: its disjoint part of the global batch."""
-    per_rank = global_batch // world_size
-    start = step_in_epoch * global_batch + rank * per_rank
-    return perm[start : start + per_rank]
-
-
-def eval_shard(num_samples: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Contiguous [start, stop) of the test set for this rank: every image exactly once, no padding."""
-    return num_samples * rank // world_size, num_samples * (rank + 1) // world_size
 
 
 def main(argv: list[str] | None = None) -> int:

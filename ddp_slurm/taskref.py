@@ -1,0 +1,102 @@
+"""``task=...``: from an import path to a Task class, checked before anything starts (the config layer).
+
+``package.module:Name`` is imported like any module (the working directory and PYTHONPATH are searched);
+``path/to/file.py:Name`` imports that file, the way a user's script is run. Every failure is a one-line
+``TaskError`` (a ``ConfigError``: exit 2, nothing created). Torch-free; the Task base class lives in
+``ddp_slurm.train.task`` and is recognised here by name, so that this layer never imports the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT = "ddp_slurm.tasks.mnist:MNIST"
+"""The task that runs when ``task`` is not set."""
+
+
+class TaskError(ValueError):
+    """A task path that cannot be used (bad import path, not a Task, a broken Config). One line."""
+
+
+def _is_task_class(obj: Any) -> bool:
+    return isinstance(obj, type) and any(
+        c.__name__ == "Task" and c.__module__ == "ddp_slurm.train.task" for c in obj.__mro__[1:]
+    )
+
+
+def _import_file(path: Path) -> Any:
+    """Import a ``.py`` file as a module named after it (the way a user's script is imported)."""
+    name = f"ddp_slurm_task_{path.stem}"
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TaskError(f"task file {path} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def task_path(cls: type) -> str:
+    """The import path the config records for a task class: ``package.module:Name``."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def resolve(spec: str) -> type:
+    """``"package.module:Name"`` or ``"path/to/file.py:Name"`` -> the Task subclass, or TaskError."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise TaskError(
+            f"task={spec!r} is not an import path: expected package.module:ClassName or path/to/file.py:ClassName"
+        )
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).resolve()
+            if not path.is_file():
+                raise TaskError(
+                    f"task={spec!r}: file {module_name} not found (paths are relative to the working directory)"
+                )
+            module = _import_file(path)
+        else:
+            module = importlib.import_module(module_name)
+    except TaskError:
+        raise
+    except ImportError as exc:
+        raise TaskError(
+            f"task={spec!r}: cannot import {module_name!r} ({exc}); install it or put its folder on PYTHONPATH"
+        ) from None
+    except Exception as exc:  # the module itself raised: its own bug, named in one line
+        raise TaskError(f"task={spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise TaskError(f"task={spec!r}: {module_name!r} has no {attr!r}")
+    return validate_class(obj, spec)
+
+
+def validate_class(obj: Any, spec: str) -> type:
+    """``obj`` as a Task subclass with a usable Config, or TaskError naming what is wrong."""
+    if not _is_task_class(obj):
+        raise TaskError(f"task={spec!r} is not a ddp_slurm.Task subclass (got {obj!r})")
+    cfg = obj.Config
+    if not dataclasses.is_dataclass(cfg):
+        raise TaskError(f"task={spec!r}: {obj.__name__}.Config must be a dataclass of config sections")
+    for f in dataclasses.fields(cfg):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise TaskError(f"task={spec!r}: section {f.name!r} of {obj.__name__}.Config needs a default")
+    base = next(c for c in obj.__mro__ if c.__name__ == "Task" and c.__module__ == "ddp_slurm.train.task")
+    for name in ("build_model", "train_data", "training_step"):
+        if getattr(obj, name) is getattr(base, name):
+            raise TaskError(f"task={spec!r}: {obj.__name__} does not define {name}()")
+    return obj

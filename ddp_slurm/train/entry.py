@@ -1,0 +1,175 @@
+"""Entry points of training: ``python -m ddp_slurm.train`` (``main``) and ``ddp_slurm.run`` (Python API).
+
+Exit codes (``ddp_slurm.exitcodes``): 0 finished (or already finished); 2 usage or config error, nothing
+started; 75 stopped on a signal after writing a checkpoint (launch again to resume; inside Slurm with
+requeue on, the job is already requeued); 3 the requeue cap was reached; 1 any other failure, reason in
+the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ddp_slurm import config
+from ddp_slurm.config import Config, ConfigError
+from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError
+from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_USAGE
+from ddp_slurm.train.signals import StopFlag, parse_signal
+
+log = logging.getLogger("ddp_slurm")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints its usage block before a bad flag's error; every rank of a big job would repeat it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"ddp_slurm.train: error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _OneLineParser(
+        prog="python -m ddp_slurm.train",
+        description="Train one rank of a DDP run (or all of a 1-rank one).",
+        epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3; task=package.module:Name "
+        "trains your own task (docs/tasks.md)",
+    )
+    parser.add_argument("--config", type=Path, help="YAML job config (default: the bundled-sample defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    return parser.parse_args(argv)
+
+
+def check_world(cfg: Config, env: DistEnv) -> None:
+    """Config errors that depend on the world size, found before anything starts (shared with submit)."""
+    g, ws = cfg.train.global_batch_size, env.world_size
+    if g % ws:
+        raise ConfigError(
+            f"train.global_batch_size={g} is not divisible by the world size {ws}: choose a multiple of {ws}"
+        )
+
+
+def check_task(cfg: Config, env: DistEnv) -> type:
+    """The task class, after its own checks of the config for this world size (ConfigError: exit 2)."""
+    import torch
+
+    from ddp_slurm.train.task import Context
+
+    cls = config.task_class(cfg.task)
+    ctx = Context(
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        torch.device("cpu"),
+        cfg.run.seed,
+        cfg.run_dir,
+        cfg.train.global_batch_size,
+    )
+    cls(cfg.task_config, ctx).check()
+    return cls
+
+
+def main(argv: list[str] | None = None, stop: StopFlag | None = None, task: type | None = None) -> int:
+    """Train one rank; returns the exit code.
+
+    ``stop``: a StopFlag the caller already installed for ``slurm.signal`` (the submitit callable does,
+    before anything else runs, so that no stop signal reaches submitit's own handlers); main then
+    leaves installing and restoring it to the caller. ``task``: a Task class given by the Python API.
+    """
+    args = parse_args(argv)
+    return _main(args.config, args.overrides, stop, task)
+
+
+def run(task: type | str | None = None, overrides: Iterable[str] = (), config_file: str | Path | None = None) -> int:
+    """Train ``task`` (a Task class or an import path) in this process, as one rank of whatever launched
+    it (torchrun, srun, submitit, or nothing: one process). Returns the exit code; never exits.
+
+    ``ddp_slurm.run(Digits, ["train.epochs=2", "run.name=digits"])`` in a notebook trains on one
+    process; the same call inside a submitit job or under torchrun trains one rank of many.
+    """
+    overrides = list(overrides)
+    if isinstance(task, str):
+        overrides.append(f"task={task}")
+        task = None
+    return _main(Path(config_file) if config_file else None, overrides, None, task)
+
+
+def _main(config_file: Path | None, overrides: list[str], stop: StopFlag | None, task: type | None) -> int:
+    own_stop = stop is None
+    try:
+        cfg = config.load(config_file, overrides, task=task)
+        env = DistEnv.from_environ(os.environ)
+        check_world(cfg, env)
+        task_cls = check_task(cfg, env)
+        if stop is None:
+            stop = StopFlag(parse_signal(cfg.slurm.signal))
+    except (ConfigError, BootstrapError) as exc:
+        print(f"ddp_slurm.train: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from ddp_slurm.train import logs
+
+    logs.setup(env.rank)
+    if own_stop:
+        stop.install()  # before the rendezvous: a signal at any time from here on is a clean stop
+    try:
+        return _train(cfg, task_cls, env, stop)
+    finally:
+        if own_stop:
+            stop.close()  # a stopping rank ignores further stop signals until it has exited (see signals.py)
+
+
+def _train(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
+    from ddp_slurm.dist import group, watchdog
+    from ddp_slurm.tasks.mnist.data import DataError
+    from ddp_slurm.train import checkpoint, logs, loop
+    from ddp_slurm.train.rundir import RunDirError, RunLocked, UsageError
+
+    # Errors whose message says it all: logged as one line, no traceback.
+    expected: tuple[type[BaseException], ...] = (
+        checkpoint.CheckpointError,
+        DataError,
+        loop.NonFiniteLoss,
+        BootstrapError,
+        RunLocked,
+        RendezvousError,
+        watchdog.PeerLost,
+        RunDirError,
+    )
+    try:
+        with (
+            group.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend),
+            watchdog.watch(env, ignore=expected + (UsageError,)),
+        ):  # names a lost rank if one vanishes
+            return loop.train(cfg, task_cls, env, device, backend, stop)
+    except UsageError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except expected as exc:
+        log.error("%s", exc)
+        return EXIT_FAILURE
+    except Exception as exc:
+        gist = logs.collective_failure(exc)
+        if gist:  # a consequence: the rank that failed first has logged the traceback that matters
+            log.error("training failed: another rank stopped answering (its log says why): %s", gist)
+        else:
+            log.exception("training failed")
+        return EXIT_FAILURE
+
+
+def exit_now(code: int) -> Any:
+    """Leave the process without interpreter finalization, once everything is flushed.
+
+    With torch's gloo backend, finalization can meet a gloo worker thread that still needs the GIL;
+    Python then ends that thread, which aborts the whole process ("terminate called without an
+    active exception", exit 134) in a few percent of runs that had finished cleanly, turning a
+    completed Slurm job into a failed one. Nothing is lost by skipping it: the metrics file, the
+    checkpoints and the run lock are closed by the time ``main`` returns.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

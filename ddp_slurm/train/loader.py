@@ -1,0 +1,216 @@
+"""Where each rank's batches come from: the in-memory fast path, or a map-style Dataset through workers.
+
+Both paths draw the same global order: epoch ``e`` visits the samples in ``randperm(N)`` seeded from
+``(run.seed, e)``, global batch ``s`` is the slice ``[s*G, (s+1)*G)`` of that order, and rank ``r`` takes
+its ``G / world_size`` consecutive samples of it. The order is a pure function of (seed, epoch, step),
+so resuming at step ``s`` is exact with no state at all, at any world size: the same global batches,
+split among however many ranks there now are. The ragged tail of an epoch is dropped (unequal batches
+would change the math between world sizes).
+
+``InMemory`` (``Tensors``): the tensors live on the device; a batch is one ``index_select`` per tensor.
+
+``DatasetBatches`` (any map-style ``Dataset``): torch's ``DataLoader`` with worker processes, pinned
+memory and prefetch, fed by ``StepSampler`` (the order above, from any step). Randomness inside
+``dataset[i]`` (augmentation) is exact too: each sample is fetched with python's, numpy's and torch's
+RNGs seeded from ``(seed, epoch, i)``, so a sample gets the same draw whichever worker, rank or restart
+fetches it. Why not torchdata's ``StatefulDataLoader``: its state belongs to one rank and one worker
+count (it refuses another ``num_workers``), and its workers reseed from ``base_seed + worker_id`` when
+a resumed iterator starts, so an augmentation drawn in a worker after a mid-epoch resume differs from
+the uninterrupted run. A sampler addressed by (epoch, step) plus per-sample seeds needs no loader state
+at all and resumes exactly at any world size and worker count (docs/tasks.md, "Resume").
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from ddp_slurm.train.task import Tensors
+
+PERMUTATION_STRIDE = 1_000_003  # (seed, epoch) -> one generator seed; epochs never collide below 10^6
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's global order: a pure function of (seed, epoch), the same on every rank and restart."""
+    gen = torch.Generator().manual_seed(seed * PERMUTATION_STRIDE + epoch)
+    return torch.randperm(num_samples, generator=gen)
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    """Full global batches only: a ragged last batch would give ranks unequal work and change the math."""
+    return num_samples // global_batch
+
+
+def rank_slice(step_in_epoch: int, global_batch: int, rank: int, world_size: int) -> slice:
+    """Positions in the epoch's order that this rank trains on at ``step_in_epoch``."""
+    per_rank = global_batch // world_size
+    start = step_in_epoch * global_batch + rank * per_rank
+    return slice(start, start + per_rank)
+
+
+def eval_shard(num_samples: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Contiguous [start, stop) of the evaluation set for this rank: every sample once, no padding."""
+    return num_samples * rank // world_size, num_samples * (rank + 1) // world_size
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device`` without waiting (pinned memory allows it)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    items = batch.values() if isinstance(batch, dict) else batch
+    return batch_size_of(next(iter(items)))
+
+
+class InMemory:
+    """Batches gathered by index from tensors held on the device: no workers, no per-sample Python."""
+
+    def __init__(self, data: Tensors, device: torch.device, seed: int, global_batch: int, rank: int, world: int):
+        self.data, self.device = data.to(device), device
+        self.seed, self.global_batch, self.rank, self.world = seed, global_batch, rank, world
+        self.steps_per_epoch = steps_per_epoch(len(data), global_batch)
+
+    def epoch(self, epoch: int, start_step: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        order = epoch_permutation(len(self.data), self.seed, epoch).to(self.device)  # indices on the device
+        for step in range(start_step, self.steps_per_epoch):
+            index = order[rank_slice(step, self.global_batch, self.rank, self.world)]
+            yield tuple(t.index_select(0, index) for t in self.data.tensors)
+
+    def first_batch(self) -> tuple[torch.Tensor, ...]:
+        """A real batch for DDP's warm-up backward (see step.settle_buckets); draws no randomness."""
+        n = max(1, self.global_batch // self.world)
+        return tuple(t[:n] for t in self.data.tensors)
+
+
+class StepSampler:
+    """Batch sampler: this rank's ``(epoch, index)`` lists for the steps of one epoch from a start step."""
+
+    def __init__(self, num_samples: int, seed: int, global_batch: int, rank: int, world: int) -> None:
+        self.num_samples, self.seed, self.global_batch, self.rank, self.world = (
+            num_samples,
+            seed,
+            global_batch,
+            rank,
+            world,
+        )
+        self.epoch, self.start_step = 0, 0
+
+    def set_position(self, epoch: int, start_step: int) -> None:
+        self.epoch, self.start_step = epoch, start_step
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        order = epoch_permutation(self.num_samples, self.seed, self.epoch).tolist()
+        for step in range(self.start_step, len(self) + self.start_step):
+            yield [(self.epoch, i) for i in order[rank_slice(step, self.global_batch, self.rank, self.world)]]
+
+    def __len__(self) -> int:
+        return steps_per_epoch(self.num_samples, self.global_batch) - self.start_step
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The RNG seed ``dataset[index]`` is fetched with in ``epoch``: independent of worker and rank."""
+    return (seed * PERMUTATION_STRIDE + epoch) * 2_147_483_647 + index & 0xFFFF_FFFF_FFFF
+
+
+class SeededSamples(Dataset):
+    """Fetches ``dataset[i]`` for ``(epoch, i)`` with every RNG seeded from ``(seed, epoch, i)``."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        s = sample_seed(self.seed, epoch, index)
+        random.seed(s)
+        torch.manual_seed(s)
+        try:
+            import numpy as np
+        except ImportError:  # numpy is optional for tasks
+            pass
+        else:
+            np.random.seed(s & 0xFFFF_FFFF)
+        return self.dataset[index]
+
+
+class DatasetBatches:
+    """A map-style Dataset through DataLoader worker processes, pinned memory and prefetch."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        device: torch.device,
+        seed: int,
+        global_batch: int,
+        rank: int,
+        world: int,
+        workers: int,
+        prefetch: int,
+    ) -> None:
+        from torch.utils.data import DataLoader
+
+        self.device, self.global_batch, self.world = device, global_batch, world
+        self.dataset = dataset
+        self.sampler = StepSampler(len(dataset), seed, global_batch, rank, world)  # type: ignore[arg-type]
+        self.steps_per_epoch = steps_per_epoch(len(dataset), global_batch)  # type: ignore[arg-type]
+        self.loader = DataLoader(
+            SeededSamples(dataset, seed),
+            batch_sampler=self.sampler,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            prefetch_factor=prefetch if workers else None,
+            persistent_workers=workers > 0,
+        )
+
+    def epoch(self, epoch: int, start_step: int) -> Iterator[Any]:
+        self.sampler.set_position(epoch, start_step)  # read when the loader's iterator starts
+        for batch in self.loader:
+            yield to_device(batch, self.device)
+
+    def first_batch(self) -> Any:
+        from torch.utils.data import default_collate
+
+        n = max(1, self.global_batch // self.world)
+        return to_device(default_collate([self.dataset[i] for i in range(min(n, len(self.dataset)))]), self.device)  # type: ignore[arg-type]
+
+
+def make_batches(data: Any, device: torch.device, seed: int, global_batch: int, rank: int, world: int, cfg: Any):
+    """The batch source for ``data`` (Tensors or a map-style Dataset); ``cfg`` is the ``train`` section."""
+    if isinstance(data, Tensors):
+        return InMemory(data, device, seed, global_batch, rank, world)
+    if isinstance(data, Dataset) or hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return DatasetBatches(data, device, seed, global_batch, rank, world, cfg.workers, cfg.prefetch)
+    raise TypeError(f"train_data() returned {type(data).__name__}: expected ddp_slurm.Tensors or a map-style Dataset")
+
+
+def eval_batches(data: Any, device: torch.device, rank: int, world: int, batch: int, workers: int) -> Iterator[Any]:
+    """This rank's contiguous shard of the evaluation data, in batches (every sample once overall)."""
+    if isinstance(data, Tensors):
+        start, stop = eval_shard(len(data), rank, world)
+        for i in range(start, stop, batch):
+            yield tuple(t[i : min(i + batch, stop)] for t in data.tensors)
+        return
+    from torch.utils.data import DataLoader, Subset
+
+    start, stop = eval_shard(len(data), rank, world)
+    loader = DataLoader(
+        Subset(data, range(start, stop)), batch_size=batch, num_workers=workers, pin_memory=device.type == "cuda"
+    )
+    for b in loader:
+        yield to_device(b, device)
