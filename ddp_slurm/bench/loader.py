@@ -5,11 +5,14 @@ the layout it expects) + ``ToTensor`` + ``Normalize`` + ``DataLoader``: each sam
 and then a float tensor, one at a time, and every batch is collated and copied to the device.
 (b) ddp_slurm: the runtime's step (MNIST task) on the training set held as uint8 on the device; a batch is one
 gather and one normalisation.
+(c) with ``--dataset-path``: the runtime's Dataset path (``loader.DatasetBatches``: DataLoader worker
+processes, per-sample seeding for exact resume, pinned memory and prefetch) over a map-style ``Dataset``
+of the same uint8 images, feeding the same step: what a task whose data does not fit in memory pays.
 
 Same model architecture and initial weights, same optimizer (Adam, same learning rate: the seed with
 torch's default settings, ddp_slurm with ``engine.make_optimizer``), same batch size, same number of
 samples per round; rounds alternate A B A B after a warm-up of both, so a change in the machine's load
-hits both alike.
+hits both alike (A B C with ``--dataset-path``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="DataLoader worker processes of the seed pipeline (default 0: on a few cores, "
         "workers compete with the training step for them)",
+    )
+    p.add_argument(
+        "--dataset-path",
+        action="store_true",
+        help="also measure (c): the runtime's Dataset path (DataLoader workers) on the same model and data",
+    )
+    p.add_argument(
+        "--dataset-workers",
+        type=int,
+        default=2,
+        help="worker processes of the Dataset path (default 2: the runtime's train.workers default)",
     )
 
 
@@ -129,10 +143,62 @@ class FastPipeline:
             self.step(next(self.batches))
 
 
+class ImageSamples(torch.utils.data.Dataset):
+    """The training images as a map-style Dataset: ``(uint8 image, label)`` per index, as a task whose
+    data does not fit in memory would return them from disk."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+
+class DatasetPipeline:
+    """The same step fed through the runtime's Dataset path: ``DatasetBatches`` with worker processes."""
+
+    def __init__(self, cfg: config.Config, batch: int, device: torch.device, workers: int, prefetch: int) -> None:
+        from ddp_slurm.train import loader, step
+
+        task = cfg_task(cfg, batch, device)
+        train = task.train_data()
+        self.batches = loader.DatasetBatches(
+            ImageSamples(*train.tensors), device, cfg.run.seed, batch, 0, 1, workers, prefetch
+        )
+        torch.manual_seed(cfg.run.seed)
+        model = task.build_model().to(device)
+        optimizer = step.make_optimizer(cfg.train, model.parameters(), device)
+        scheduler = step.make_scheduler(cfg.train, optimizer, 10**9)
+        self.step = step.make_step(model, optimizer, scheduler, task.training_step, device, cfg.train.precision)
+        self.epoch, self.iterator = 0, self.batches.epoch(0, 0)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            batch = next(self.iterator, None)
+            if batch is None:  # the epoch ended: the next one, as the training loop does
+                self.epoch += 1
+                self.iterator = self.batches.epoch(self.epoch, 0)
+                batch = next(self.iterator)
+            self.step(batch)
+
+
+def cfg_task(cfg: config.Config, batch: int, device: torch.device):
+    """The MNIST task of ``cfg`` on one rank."""
+    from ddp_slurm.tasks.mnist import MNIST
+    from ddp_slurm.train.task import Context
+
+    return MNIST(cfg.task_config, Context(0, 1, 0, device, cfg.run.seed, cfg.run_dir, batch))
+
+
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     device = common.resolve_device(args.device)
     if args.batch < 1 or args.batch > data.TRAIN_SIZES["sample"]:
         raise common.BenchError(f"--batch {args.batch}: expected 1 to {data.TRAIN_SIZES['sample']}")
+    if args.dataset_workers < 0:
+        raise common.BenchError(f"--dataset-workers {args.dataset_workers}: expected 0 or more")
     steps = max(1, args.samples // args.batch)
     cfg = config.load(overrides=[f"model.name={args.model}", f"train.global_batch_size={args.batch}"])
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-bench-") as tmp:
@@ -147,11 +213,14 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             cfg.run.seed,
         )
         fast = FastPipeline(cfg, args.batch, device, args.warmup + args.rounds * steps, cfg.run.seed)
-        seed_style.run(args.warmup)
-        fast.run(args.warmup)
-        rates: dict[str, list[float]] = {"seed": [], "ddp_slurm": []}
+        pipes: dict[str, Any] = {"seed": seed_style, "ddp_slurm": fast}
+        if args.dataset_path:
+            pipes["dataset"] = DatasetPipeline(cfg, args.batch, device, args.dataset_workers, cfg.train.prefetch)
+        for pipe in pipes.values():
+            pipe.run(args.warmup)
+        rates: dict[str, list[float]] = {name: [] for name in pipes}
         for _ in range(args.rounds):
-            for name, pipe in (("seed", seed_style), ("ddp_slurm", fast)):
+            for name, pipe in pipes.items():
                 rates[name].append(steps * args.batch / common.timed(lambda: pipe.run(steps), device))
     a, b = common.summary(rates["seed"]), common.summary(rates["ddp_slurm"])
     payload = common.header(
@@ -164,6 +233,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         samples_per_round=steps * args.batch,
         warmup_steps=args.warmup,
         workers=args.workers,
+        dataset_workers=args.dataset_workers if args.dataset_path else None,
         optimizer=f"{cfg.train.optimizer} lr {cfg.train.lr:g} (ddp_slurm: {fast.optimizer_path})",
     )
     payload.update(
@@ -174,6 +244,16 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             "ratio_per_round": [y / x for x, y in zip(rates["seed"], rates["ddp_slurm"])],
         }
     )
+    if args.dataset_path:
+        c = common.summary(rates["dataset"])
+        payload.update(
+            {
+                "dataset_samples_per_s": c,
+                "dataset_vs_seed": c["median"] / a["median"],
+                "dataset_vs_memory": c["median"] / b["median"],
+                "dataset_vs_seed_per_round": [z / x for x, z in zip(rates["seed"], rates["dataset"])],
+            }
+        )
     return payload
 
 
@@ -190,9 +270,24 @@ def render(p: dict[str, Any]) -> str:
         ],
         ["(b) ddp_slurm: runtime step, uint8 data on the device", *common.fmt_spread(p["ddp_slurm_samples_per_s"])],
     ]
+    if "dataset_samples_per_s" in p:
+        rows.append(
+            [
+                f"(c) ddp_slurm Dataset path: runtime step, DataLoader with {q['dataset_workers']} worker(s)",
+                *common.fmt_spread(p["dataset_samples_per_s"]),
+            ]
+        )
     notes = [
         f"ratio (b)/(a) of the medians: {p['ratio']:.1f}x  "
         f"(per round: {', '.join(f'{r:.1f}' for r in p['ratio_per_round'])})",
+        *(
+            [
+                f"ratio (c)/(a): {p['dataset_vs_seed']:.1f}x, (c)/(b): {p['dataset_vs_memory']:.2f}x  "
+                f"(Dataset path vs seed-style, vs in-memory)"
+            ]
+            if "dataset_samples_per_s" in p
+            else []
+        ),
         f"same model and initial weights; optimizer {q['optimizer']}, the seed with torch's defaults; "
         f"DataLoader workers={q['workers']}; load average {p['machine']['load_average_1m']}",
     ]

@@ -1,0 +1,225 @@
+"""Tasks the package does not know: selected by path, run by every local entry point, resumed exactly.
+
+- A third, minimal task (``Line``, its source in tests/tasks_helpers.py, written to a file per
+  test) through plain python, torchrun (2 ranks) and ``ddp_slurm.run``.
+- Bad task paths: exit 2, one line, nothing created.
+- The addition example (examples/addition: dropout, an operand-swap augmentation drawn inside
+  ``dataset[i]``, the Dataset path with 2 workers per rank): a SIGUSR2 mid-epoch, then a relaunch,
+  ends bit-identical to the same run left alone at world size 1 and 2; stopped at 2 ranks and
+  resumed at 1 it finishes, with the documented semantics.
+
+Real processes, real signals, real files (the helpers of test_resume.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_resume
+import torch
+from conftest import Launcher, base_env
+from tasks_helpers import LINE_RUN, addition_tiny, write_line_task
+from test_resume import RUN_NAME, Launch, assert_bit_identical, assert_resumed_from, assert_stopped, run_to_end, start
+
+from ddp_slurm.train import checkpoint
+
+launches = test_resume.launches  # the fixture that kills a failed test's launches
+
+ADD_STEPS_PER_EPOCH = 2048 // 64
+ADD = [*addition_tiny(epochs=2), f"run.name={RUN_NAME}"]
+ADD_TOTAL = 2 * ADD_STEPS_PER_EPOCH
+
+
+# --------------------------------------------------------------------------- bad task paths
+BAD_TASKS = {
+    "no module": (["task=no_such_package.tasks:Digits"], "cannot import 'no_such_package.tasks'"),
+    "no file": (["task=nowhere/task.py:Digits"], "file nowhere/task.py not found"),
+    "no class": (["task=line_task.py:Circle"], "has no 'Circle'"),
+    "not a task": (["task=line_task.py:NotATask"], "is not a ddp_slurm.Task subclass"),
+    "missing method": (["task=line_task.py:Incomplete"], "Incomplete does not define training_step()"),
+    "not an import path": (["task=line_task"], "is not an import path"),
+    "unknown key": (["task=line_task.py:Line", "line.sise=10"], "did you mean 'line.size'?"),
+    "wrong type": (["task=line_task.py:Line", "line.size=many"], "line.size in the command line: expected an integer"),
+    "value check": (["task=line_task.py:Line", "line.noise=-1"], "expected a number >= 0"),
+    "runtime key of another task": (["task=line_task.py:Line", "model.name=mlp"], "unknown config section 'model'"),
+    "task's own check": (["task=line_task.py:Line", "train.global_batch_size=512"], "> line.size=256"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TASKS, ids=list(BAD_TASKS))
+def test_bad_task_exits_2_with_one_line_and_creates_nothing(tmp_path: Path, case: str) -> None:
+    write_line_task(tmp_path)
+    overrides, expected = BAD_TASKS[case]
+    res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*overrides, "run.name=bad"), timeout=300)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert len(lines) == 1 and lines[0].startswith("ddp_slurm.train: error: "), lines
+    assert expected in lines[0], lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_task_through_the_python_api_returns_2(tmp_path: Path) -> None:
+    write_line_task(tmp_path)
+    code = "import ddp_slurm, sys; sys.exit(ddp_slurm.run('line_task.py:NotATask', ['run.name=bad']))"
+    res = Launcher(tmp_path).run([sys.executable, "-c", code], timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "is not a ddp_slurm.Task subclass" in res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- the minimal task, every entry point
+def assert_line_learned(run_dir: Path, world_size: int) -> dict[str, Any]:
+    state = checkpoint.load_latest(run_dir)
+    assert state is not None and state["finished"] and state["step"] == 24
+    assert state["world_size"] == world_size and len(state["rng"]) == world_size  # every rank's RNG streams
+    weight, bias = state["model"]["weight"].item(), state["model"]["bias"].item()
+    assert abs(weight - 3) < 0.3 and abs(bias - 1) < 0.3, (weight, bias)
+    assert state["best"] is not None and state["best"] < 0.1  # best_metric "mse", lower is better
+    assert "task: line_task.py:Line" in (run_dir / "config.yaml").read_text() or "Line" in state["config"]["task"]
+    return state
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_minimal_task_trains_through_python_and_torchrun(
+    launches: list[Launch], tmp_path: Path, world_size: int
+) -> None:
+    write_line_task(tmp_path)
+    launch = run_to_end(launches, tmp_path, world_size, ["task=line_task.py:Line", *LINE_RUN, f"run.name={RUN_NAME}"])
+    evals = [r for r in launch.rows() if r["kind"] == "eval"]
+    assert len(evals) == 3 and evals[-1]["test_samples"] == 100 and evals[-1]["mse"] < 0.1, evals
+    assert launch.rows()[-1]["best_mse"] == min(r["mse"] for r in evals)
+    assert_line_learned(launch.run_dir, world_size)
+
+
+API = """
+import sys
+import ddp_slurm
+from line_task import Line
+
+code = ddp_slurm.run(Line, sys.argv[1:])
+print("returned", code)
+again = ddp_slurm.run("line_task.py:Line", ["run.name=by-path", *sys.argv[2:]])
+print("returned", again)
+"""
+
+
+def test_minimal_task_through_the_python_api(tmp_path: Path) -> None:
+    """``ddp_slurm.run(cls, overrides)`` and ``ddp_slurm.run("file.py:Name", ...)`` in one process:
+    each trains and returns 0 (it never exits the process)."""
+    write_line_task(tmp_path)
+    (tmp_path / "api.py").write_text(API)
+    res = Launcher(tmp_path).run([sys.executable, "api.py", "run.name=by-class", *LINE_RUN], timeout=600)
+    assert res.returncode == 0 and res.stdout.splitlines()[-2:] == ["returned 0", "returned 0"], res.stdout + res.stderr
+    for name in ("by-class", "by-path"):
+        assert_line_learned(tmp_path / "runs" / name, 1)
+
+
+# --------------------------------------------------------------------------- the example: exact resume
+class References:
+    """Uninterrupted runs of the addition example, once per module and world size."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[int, Path] = {}
+
+    def final(self, world_size: int) -> dict[str, Any]:
+        if world_size not in self.done:
+            cwd = self.root / f"ws{world_size}"
+            cwd.mkdir()
+            started: list[Launch] = []
+            try:
+                launch = run_to_end(started, cwd, world_size, ADD)
+            finally:
+                for launch in started:
+                    if launch.proc.poll() is None:
+                        launch.proc.kill()
+            assert [r["step"] for r in launch.rows() if r["kind"] == "start"] == [0]
+            self.done[world_size] = launch.run_dir
+        state = checkpoint.load_latest(self.done[world_size])
+        assert state is not None and state["finished"] and state["step"] == ADD_TOTAL
+        return state
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    return References(tmp_path_factory.mktemp("addition-references"))
+
+
+def stop_mid_epoch(launches: list[Launch], cwd: Path, world_size: int, after_step: int = 6) -> dict[str, Any]:
+    """Launch the example, SIGUSR2 to the last rank once it has trained ``after_step`` steps; every rank
+    stops with exit 75 and a checkpoint inside the first epoch. Returns the stop row."""
+    first = start(launches, cwd, world_size, ADD)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row(f"step {after_step}", lambda r: r["kind"] == "train" and r["step"] >= after_step)
+    first.signal(world_size - 1, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    assert stop["requeue"] is True
+    assert after_step <= stop["step"] < ADD_STEPS_PER_EPOCH, f"expected a stop inside the first epoch, got {stop}"
+    saved = checkpoint.load_latest(first.run_dir)
+    assert saved["step_in_epoch"] == stop["step"] and saved["world_size"] == world_size
+    assert len(saved["rng"]) == world_size
+    return stop
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_example_stopped_mid_epoch_resumes_bit_identical(
+    references: References, launches: list[Launch], tmp_path: Path, world_size: int
+) -> None:
+    """Dropout on, augmentation inside ``dataset[i]``, 2 DataLoader workers per rank: stopped by
+    SIGUSR2 mid-epoch and launched again, the run ends with the weights and optimizer state of the
+    run left alone (torch.equal on every tensor)."""
+    reference = references.final(world_size)
+    stop = stop_mid_epoch(launches, tmp_path, world_size)
+    second = run_to_end(launches, tmp_path, world_size, ADD)
+    assert_resumed_from(second, stop["step"])
+    evals = [r for r in second.rows() if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [ADD_STEPS_PER_EPOCH, ADD_TOTAL] and evals[-1]["test_samples"] == 256
+    assert_bit_identical(second.run_dir, reference)
+
+
+def test_example_resumes_at_another_world_size(references: References, launches: list[Launch], tmp_path: Path) -> None:
+    """Stopped with 2 ranks, resumed with 1: it continues at the stop step with the same global
+    batches (same samples, same order) and fresh per-rank RNG streams, and finishes; the weights are
+    close to the uninterrupted 2-rank run's, not equal (other dropout masks)."""
+    reference = references.final(2)
+    stop = stop_mid_epoch(launches, tmp_path, 2)
+    second = run_to_end(launches, tmp_path, 1, ADD)
+    assert_resumed_from(second, stop["step"])
+    assert "fresh per-rank RNG streams" in second.log_text()
+    train_rows = [r for r in second.rows() if r["kind"] == "train"]
+    assert train_rows and {r["world_size"] for r in train_rows} == {1}
+    assert train_rows[0]["step"] <= stop["step"] + 2  # where it stopped, not at the epoch's start
+    state = checkpoint.load_latest(second.run_dir)
+    assert state["finished"] and state["step"] == ADD_TOTAL and state["world_size"] == 1 and len(state["rng"]) == 1
+    drift = max((t - reference["model"][k]).abs().max().item() for k, t in state["model"].items())
+    assert 0 < drift < 0.5, drift
+
+
+# --------------------------------------------------------------------------- the example's data
+def values(digits: torch.Tensor) -> torch.Tensor:
+    """Rows of decimal digits (most significant first) -> the numbers."""
+    return (digits * torch.tensor([10**i for i in range(digits.shape[1] - 1, -1, -1)])).sum(1)
+
+
+def test_example_data_is_generated_once_deterministic_and_atomic(tmp_path: Path) -> None:
+    """``prepare_data`` writes the token file once (rank 0), the same bytes from the same seed, and
+    leaves no temporary file; a second run reuses it."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from task import generate; from pathlib import Path; "
+        "generate(Path(sys.argv[2]), 3, 500, 50, 7)"
+    )
+    folder = str(Path(__file__).resolve().parents[1] / "examples" / "addition")
+    for name in ("a.u8", "b.u8"):
+        subprocess.run([sys.executable, "-c", code, folder, str(tmp_path / name)], check=True, env=base_env())
+    a, b = (tmp_path / "a.u8").read_bytes(), (tmp_path / "b.u8").read_bytes()
+    assert a == b and len(a) == 550 * 10
+    rows = torch.tensor(list(a)).view(550, 10)
+    assert torch.equal(values(rows[:, :3]) + values(rows[:, 3:6]), values(rows[:, 6:]))
+    pairs = {tuple(r) for r in rows[:, :6].tolist()}
+    assert len(pairs) == 550  # distinct pairs: the held-out ones are never trained on
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.u8", "b.u8"]
