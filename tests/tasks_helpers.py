@@ -86,7 +86,14 @@ class Incomplete(Task):
         return Tensors(torch.zeros(4, 1))
 '''
 
-LINE_RUN = ["train.epochs=3", "train.global_batch_size=32", "train.lr=0.1", "train.log_every_steps=4"]
+LINE_RUN = [
+    "train.epochs=3",
+    "train.global_batch_size=32",
+    "train.optimizer=sgd",
+    "train.lr=0.5",
+    "train.schedule=constant",
+    "train.log_every_steps=4",
+]
 """A short Line training: 8 steps per epoch, 24 in all."""
 
 
