@@ -87,10 +87,11 @@ def last_periodic_checkpoint(run_dir: Path, step: int) -> int:
     every ``checkpoint.every_steps`` and at each epoch end. What a SIGKILL would fall back to."""
     from ddp_slurm import config
     from ddp_slurm.tasks.mnist import data
+    from ddp_slurm.train import loader
 
     cfg = config.read_resolved(run_dir / "config.yaml")
     every = cfg.checkpoint.every_steps
-    per_epoch = data.steps_per_epoch(data.TRAIN_SIZES[cfg.data.source], cfg.train.global_batch_size)
+    per_epoch = loader.steps_per_epoch(data.TRAIN_SIZES[cfg.data.source], cfg.train.global_batch_size)
     return max((k for k in range(1, step + 1) if (every and k % every == 0) or k % per_epoch == 0), default=0)
 
 

@@ -35,6 +35,8 @@ def base_env(**extra: str) -> dict[str, str]:
     }
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    # test scripts run as child processes import the shared helpers (tests/helpers.py) too
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from conftest import base_env
@@ -220,7 +221,7 @@ def test_eager_optimizers_compute_what_torch_computes(name: str) -> None:
         else:
             extra = {"momentum": 0.9, "nesterov": True} if name == "sgd" else {}
             opt = torch_class(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **extra, **flags)
-        step = engine.make_step(model, opt, engine.make_scheduler(cfg, opt, 10), split.images, split.labels)
+        step = helpers.mnist_step(model, opt, engine.make_scheduler(cfg, opt, 10), split)
         for i in range(5):
             step(torch.arange(32 * i, 32 * i + 32))
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -229,8 +230,8 @@ def test_eager_optimizers_compute_what_torch_computes(name: str) -> None:
 
 TRAIN_AND_CHECK_IMPORTS = """
 import sys
-from ddp_slurm.train import loop as train
-assert train.main(sys.argv[1:]) == 0
+from ddp_slurm.train import entry
+assert entry.main(sys.argv[1:]) == 0
 heavy = sorted(m for m in ("torch._dynamo", "torchvision", "submitit", "matplotlib") if m in sys.modules)
 print("heavy:", ",".join(heavy))
 """

@@ -12,11 +12,11 @@ import os
 import struct
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from ddp_slurm import config
 from ddp_slurm.bootstrap import DistEnv
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train import loop as train
+from ddp_slurm.train import state as state_mod
 from ddp_slurm.train import step as engine
 
 
@@ -45,7 +45,7 @@ def make_state(step: int, seed: int = 0) -> dict[str, Any]:
         "scheduler": scheduler.state_dict(),
         "step": step,
         "epoch": 0,
-        "samples_in_epoch": step * 64,
+        "step_in_epoch": step,
         "finished": False,
         "rng": {"torch": torch.get_rng_state()},
         "config": cfg.to_dict(),
@@ -82,7 +82,7 @@ def test_roundtrip_keeps_every_tensor_and_field(tmp_path: Path) -> None:
     assert path == tmp_path / "checkpoints" / "step-30.pt"
     loaded = checkpoint.load(path)
     assert_same_tensors(state, {k: v for k, v in loaded.items() if k in state})
-    assert (loaded["step"], loaded["epoch"], loaded["samples_in_epoch"], loaded["finished"]) == (30, 0, 1920, False)
+    assert (loaded["step"], loaded["epoch"], loaded["step_in_epoch"], loaded["finished"]) == (30, 0, 30, False)
     assert loaded["format"] == checkpoint.FORMAT and loaded["content_sha256"] == checkpoint.content_digest(loaded)
     assert loaded["config"] == state["config"]
     # What was restored drives a model and an optimizer exactly like the originals.
@@ -106,7 +106,7 @@ def test_prune_keeps_the_newest(tmp_path: Path) -> None:
 
 
 def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
-    """The training loop's writer, given a real DDP-wrapped model: keys load into a bare model, strictly."""
+    """The training loop's state capture, given a real DDP-wrapped model: keys load into a bare model, strictly."""
     cfg = config.load(None, [f"run.output_root={tmp_path}", "run.name=prefix", "model.name=cnn"])
     env = DistEnv.from_environ({})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -118,9 +118,20 @@ def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
         scheduler = engine.make_scheduler(cfg.train, optimizer, 10)
         ddp(torch.randn(4, 1, 28, 28)).sum().backward()
         optimizer.step()
-        train.save_checkpoint(
-            cfg, env, model, optimizer, scheduler, train.Position(step=7), False, torch.device("cpu"), time.monotonic()
+        snapshot = state_mod.capture(
+            model,
+            optimizer,
+            scheduler,
+            helpers.TASK,
+            state_mod.Position(step=7),
+            False,
+            1.0,
+            {"config": cfg.to_dict()},
+            torch.device("cpu"),
+            env.rank,
+            env.world_size,
         )
+        checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep)
     finally:
         dist.destroy_process_group()
     state = checkpoint.load_latest(cfg.run_dir)

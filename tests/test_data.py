@@ -16,6 +16,7 @@ import textwrap
 from importlib import resources
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from conftest import base_env
@@ -23,6 +24,7 @@ from conftest import base_env
 from ddp_slurm.config import TrainConfig
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.tasks.mnist.data import DataError
+from ddp_slurm.train import loader
 from ddp_slurm.train import step as engine
 
 SAMPLE_DIR = Path(str(resources.files("ddp_slurm") / "assets" / "mnist-sample"))
@@ -72,44 +74,44 @@ def test_normalize(sample_train: data.Split) -> None:
 
 
 def test_epoch_permutation_is_a_pure_function_of_seed_and_epoch() -> None:
-    a = data.epoch_permutation(5000, seed=3, epoch=2)
-    assert torch.equal(a, data.epoch_permutation(5000, seed=3, epoch=2))
+    a = loader.epoch_permutation(5000, seed=3, epoch=2)
+    assert torch.equal(a, loader.epoch_permutation(5000, seed=3, epoch=2))
     assert torch.equal(a.sort().values, torch.arange(5000))  # a permutation
     others = [
-        data.epoch_permutation(5000, 3, 0),
-        data.epoch_permutation(5000, 3, 1),
-        data.epoch_permutation(5000, 3, 3),
-        data.epoch_permutation(5000, 4, 2),
+        loader.epoch_permutation(5000, 3, 0),
+        loader.epoch_permutation(5000, 3, 1),
+        loader.epoch_permutation(5000, 3, 3),
+        loader.epoch_permutation(5000, 4, 2),
     ]
     for other in others:
         assert not torch.equal(a, other)
     # seed and epoch must not collide the easy way (seed 0 epoch 1 vs seed 1 epoch 0)
-    assert not torch.equal(data.epoch_permutation(5000, 0, 1), data.epoch_permutation(5000, 1, 0))
+    assert not torch.equal(loader.epoch_permutation(5000, 0, 1), loader.epoch_permutation(5000, 1, 0))
 
 
 def test_permutation_does_not_depend_on_the_global_rng() -> None:
     torch.manual_seed(123)
-    a = data.epoch_permutation(1000, 0, 0)
+    a = loader.epoch_permutation(1000, 0, 0)
     torch.manual_seed(456)
     torch.rand(10)
-    assert torch.equal(a, data.epoch_permutation(1000, 0, 0))
+    assert torch.equal(a, loader.epoch_permutation(1000, 0, 0))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_samples, global_batch", [(5000, 120), (5000, 12), (1000, 996)])
 def test_sharding_is_disjoint_complete_and_deterministic(num_samples: int, global_batch: int, world_size: int) -> None:
-    perm = data.epoch_permutation(num_samples, seed=0, epoch=1)
-    steps = data.steps_per_epoch(num_samples, global_batch)
+    perm = loader.epoch_permutation(num_samples, seed=0, epoch=1)
+    steps = loader.steps_per_epoch(num_samples, global_batch)
     assert steps == num_samples // global_batch
     seen: list[int] = []
     for step in range(steps):
-        parts = [data.rank_batch(perm, step, global_batch, rank, world_size) for rank in range(world_size)]
+        parts = [perm[loader.rank_slice(step, global_batch, rank, world_size)] for rank in range(world_size)]
         assert all(len(p) == global_batch // world_size for p in parts)
         # the ranks together take exactly this step's global batch, in order, each its own part
         assert torch.equal(torch.cat(parts), perm[step * global_batch : (step + 1) * global_batch])
         # the same call again (another rank, a restarted job) gives the same indices
         assert all(
-            torch.equal(p, data.rank_batch(perm, step, global_batch, r, world_size)) for r, p in enumerate(parts)
+            torch.equal(p, perm[loader.rank_slice(step, global_batch, r, world_size)]) for r, p in enumerate(parts)
         )
         for p in parts:
             seen += p.tolist()
@@ -119,16 +121,16 @@ def test_sharding_is_disjoint_complete_and_deterministic(num_samples: int, globa
 
 def test_global_batch_is_the_same_whatever_the_world_size() -> None:
     """Same global batch and seed: every world size trains on the same samples at each step."""
-    perm = data.epoch_permutation(5000, 0, 0)
+    perm = loader.epoch_permutation(5000, 0, 0)
     for step in (0, 7, 40):
-        batches = [torch.cat([data.rank_batch(perm, step, 120, r, ws) for r in range(ws)]) for ws in (1, 2, 3, 4)]
+        batches = [torch.cat([perm[loader.rank_slice(step, 120, r, ws)] for r in range(ws)]) for ws in (1, 2, 3, 4)]
         assert all(torch.equal(batches[0], b) for b in batches[1:])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
 @pytest.mark.parametrize("num_samples", [5000, 10000, 6, 1])
 def test_eval_shard_covers_every_image_once(num_samples: int, world_size: int) -> None:
-    shards = [data.eval_shard(num_samples, rank, world_size) for rank in range(world_size)]
+    shards = [loader.eval_shard(num_samples, rank, world_size) for rank in range(world_size)]
     assert shards[0][0] == 0 and shards[-1][1] == num_samples
     for (_, stop), (start, _) in zip(shards, shards[1:]):
         assert stop == start  # contiguous: no gap, no overlap
@@ -143,6 +145,7 @@ EVAL_SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from ddp_slurm.tasks.mnist import data
+    import helpers
     from ddp_slurm.train import step as engine
     from ddp_slurm.tasks.mnist import models
 
@@ -152,7 +155,7 @@ EVAL_SCRIPT = textwrap.dedent("""
         dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world_size)
     model = models.build("mlp")
     model.load_state_dict(torch.load(weights, weights_only=True))
-    accuracy, images, loss = engine.evaluate(model, data.load_sample(train=False), rank, world_size)
+    accuracy, images, loss = helpers.mnist_evaluate(model, data.load_sample(train=False), rank, world_size)
     with open(out, "w") as f:
         json.dump({"accuracy": accuracy, "images": images, "loss": loss}, f)
     if world_size > 1:
@@ -168,9 +171,9 @@ def _trained(name: str, train: data.Split, steps: int = 25) -> torch.nn.Module:
     cfg = TrainConfig(lr=4e-3, schedule="constant")
     optimizer = engine.make_optimizer(cfg, model.parameters(), torch.device("cpu"))
     scheduler = engine.make_scheduler(cfg, optimizer, steps)
-    step = engine.make_step(model, optimizer, scheduler, train.images, train.labels)
-    perm = data.epoch_permutation(len(train), 0, 0)
-    losses = [step(data.rank_batch(perm, i, 64, 0, 1)).item() for i in range(steps)]
+    step = helpers.mnist_step(model, optimizer, scheduler, train)
+    perm = loader.epoch_permutation(len(train), 0, 0)
+    losses = [step(perm[loader.rank_slice(i, 64, 0, 1)]).item() for i in range(steps)]
     assert losses[-1] < losses[0], losses
     return model
 
@@ -181,7 +184,7 @@ def test_distributed_evaluation_is_exact(tmp_path: Path, sample_train: data.Spli
     model = _trained("mlp", sample_train)
     weights = tmp_path / "weights.pt"
     torch.save(model.state_dict(), weights)
-    reference = engine.evaluate(model, sample_test, rank=0, world_size=1)
+    reference = helpers.mnist_evaluate(model, sample_test, rank=0, world_size=1)
     assert reference[1] == 5000 and reference[0] > 0.5, reference
 
     script = tmp_path / "eval_rank.py"
@@ -217,15 +220,15 @@ def test_evaluation_does_not_depend_on_how_the_test_set_is_cut(
     model = _trained("cnn", sample_train, steps=8)
     test = data.Split(sample_test.images[:1000], sample_test.labels[:1000])
     model.train()
-    whole = engine.evaluate(model, test, 0, 1, batch=256)
+    whole = helpers.mnist_evaluate(model, test, 0, 1, batch=256)
     assert model.training, "evaluate must hand the model back in the mode it found it"
-    a = engine.evaluate(model, data.Split(test.images[:333], test.labels[:333]), 0, 1, batch=100)
-    b = engine.evaluate(model, data.Split(test.images[333:], test.labels[333:]), 0, 1, batch=256)
+    a = helpers.mnist_evaluate(model, data.Split(test.images[:333], test.labels[:333]), 0, 1, batch=100)
+    b = helpers.mnist_evaluate(model, data.Split(test.images[333:], test.labels[333:]), 0, 1, batch=256)
     assert (a[1], b[1], whole[1]) == (333, 667, 1000)
     assert round(a[0] * 333) + round(b[0] * 667) == round(whole[0] * 1000)
     assert (a[2] * 333 + b[2] * 667) / 1000 == pytest.approx(whole[2], rel=1e-4)
     model.eval()
-    engine.evaluate(model, test, 0, 1)
+    helpers.mnist_evaluate(model, test, 0, 1)
     assert not model.training
 
 

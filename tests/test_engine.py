@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from conftest import base_env
@@ -57,6 +58,7 @@ TWO_RANKS = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from ddp_slurm.tasks.mnist import data
+    import helpers
     from ddp_slurm.train import step as engine
     from ddp_slurm.tasks.mnist import models
     from ddp_slurm.train.signals import StopFlag
@@ -79,8 +81,8 @@ TWO_RANKS = textwrap.dedent("""
     model.train()
     model(torch.randn(64, 1, 28, 28) * (1 + rank))  # rank-local batch-norm statistics, as in training
     before = [b.clone() for b in model.buffers()]
-    result = engine.evaluate(model, data.load_sample(train=False), rank, 2)
-    net = engine.wrap_ddp(models.build("cnn"), torch.device("cpu"), 2)
+    result = helpers.mnist_evaluate(model, data.load_sample(train=False), rank, 2)
+    net = engine.wrap_ddp(models.build("cnn"), torch.device("cpu"), 2, warmup=lambda m: m(torch.zeros(1, 1, 28, 28)))
     for _ in range(2):  # DDP logs its final layout once a step has used it
         net(torch.randn(8, 1, 28, 28)).sum().backward()
     buckets = net._get_ddp_logging_data()["rebuilt_bucket_sizes"]
@@ -134,7 +136,7 @@ def test_two_ranks_agree_at_the_same_step_and_evaluate_rank_zeros_model(tmp_path
     assert r0["buffers"] == r1["buffers"]
     model = models.build("cnn")
     model.load_state_dict(torch.load(weights, weights_only=True))
-    alone = engine.evaluate(model, data.load_sample(train=False), 0, 1)
+    alone = helpers.mnist_evaluate(model, data.load_sample(train=False), 0, 1)
     assert r0["eval"] == r1["eval"]
     assert r0["eval"][0] == pytest.approx(alone[0], abs=1e-12) and r0["eval"][1] == alone[1] == 5000
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from conftest import Launcher
 
 from ddp_slurm import config
 from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import loader
 from ddp_slurm.train import step as engine
 
 pytestmark = [
@@ -54,21 +56,21 @@ def test_step_on_gpu_resident_data_never_waits_for_the_device() -> None:
     model = models.build("cnn").to(device)
     opt = engine.make_optimizer(cfg, model.parameters(), device)
     assert opt.defaults.get("fused"), "CUDA has fused optimizer kernels: the step should use them"
-    step = engine.make_step(model, opt, engine.make_scheduler(cfg, opt, 2 * 39), train.images, train.labels)
+    step = helpers.mnist_step(model, opt, engine.make_scheduler(cfg, opt, 2 * 39), train)
     assert train.images.device.type == "cuda" and train.images.dtype == torch.uint8
-    perms = [data.epoch_permutation(len(train), 0, epoch).to(device) for epoch in range(2)]  # copies synchronise
-    losses = [step(data.rank_batch(perms[0], 0, 128, 0, 1))]  # the first step may synchronise while it sets up
+    perms = [loader.epoch_permutation(len(train), 0, epoch).to(device) for epoch in range(2)]  # copies synchronise
+    losses = [step(perms[0][loader.rank_slice(0, 128, 0, 1)])]  # the first step may synchronise while it sets up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronising call in the steps below raises
     try:
         for epoch, perm in enumerate(perms):
-            losses += [step(data.rank_batch(perm, i, 128, 0, 1)) for i in range(1 if epoch == 0 else 0, 39)]
+            losses += [step(perm[loader.rank_slice(i, 128, 0, 1)]) for i in range(1 if epoch == 0 else 0, 39)]
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert losses[-1].device.type == "cuda"
     values = torch.stack(losses).tolist()
     assert values[-1] < 0.5 * values[0], values
-    accuracy, images, _ = engine.evaluate(model, test, rank=0, world_size=1)
+    accuracy, images, _ = helpers.mnist_evaluate(model, test, rank=0, world_size=1)
     assert images == 5000 and accuracy > 0.9, accuracy
 
 

@@ -15,7 +15,9 @@ from ddp_slurm.dist import hostmem
 FAULTS = textwrap.dedent("""
     import json, os, resource, sys
     import torch
+    import helpers
     from ddp_slurm import config
+    from ddp_slurm.train import loader
     from ddp_slurm.tasks.mnist import data
     from ddp_slurm.train import step as engine
     from ddp_slurm.dist import hostmem
@@ -27,14 +29,13 @@ FAULTS = textwrap.dedent("""
     train = data.load_sample(train=True)
     model = models.build("cnn")
     optimizer = engine.make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
-    step = engine.make_step(model, optimizer, engine.make_scheduler(cfg.train, optimizer, 100), train.images,
-                            train.labels)
-    perm = data.epoch_permutation(len(train), 0, 0)
+    step = helpers.mnist_step(model, optimizer, engine.make_scheduler(cfg.train, optimizer, 100), train)
+    perm = loader.epoch_permutation(len(train), 0, 0)
     for i in range(3):  # warm-up: the first steps fault in any case
-        step(data.rank_batch(perm, i, 128, 0, 1))
+        step(perm[loader.rank_slice(i, 128, 0, 1)])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(3, 23):
-        step(data.rank_batch(perm, i, 128, 0, 1))
+        step(perm[loader.rank_slice(i, 128, 0, 1)])
     print(json.dumps({"kept": kept, "faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20}))
 """)
 

@@ -15,6 +15,7 @@ import sys
 import termios
 import time
 
+import helpers
 from conftest import base_env
 
 from ddp_slurm.train import logs
@@ -22,25 +23,7 @@ from ddp_slurm.train import logs
 TINY = ["model.name=mlp", "train.epochs=1", "train.max_steps=20", "train.log_every_steps=5"]
 HOST = socket.gethostname()
 
-# A test harness, not a product hook: raises on one rank at its N-th training step, then runs the real
-# entry point. RANK is unset for a single process, which counts as rank 0.
-CRASH = """
-import os, sys
-from ddp_slurm.train import step as engine
-from ddp_slurm.train import loop as train
-rank, at = os.environ.get("CRASH_RANK", "0"), int(os.environ.get("CRASH_AT", "0"))
-real_make_step = engine.make_step
-def make_step(*args, **kwargs):
-    step, calls = real_make_step(*args, **kwargs), [0]
-    def wrapped(batch):
-        calls[0] += 1
-        if calls[0] == at and os.environ.get("RANK", "0") == rank:
-            raise ValueError(f"injected failure on rank {rank}")
-        return step(batch)
-    return wrapped
-engine.make_step = make_step
-sys.exit(train.main(sys.argv[1:]))
-"""
+CRASH = helpers.INJECTING_HARNESS
 
 
 def our_tracebacks(text: str) -> list[str]:
@@ -96,7 +79,7 @@ def test_crash_then_resume_summary(launcher, tmp_path):
         r"device cpu, fresh start",
         first.stderr,
     ), first.stderr
-    second = launcher.run(launcher.cmd_train(*args))
+    second = launcher.run([sys.executable, str(harness), *args])  # the same task, no fault this time
     assert second.returncode == 0, second.stderr
     # step 7 completed but only step 5 was checkpointed: the relaunch says where it resumes from
     assert re.search(

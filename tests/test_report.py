@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 from conftest import base_env
 
@@ -23,27 +24,7 @@ ARGS = [
     "run.name=r",
 ]
 
-# A test harness, not a product hook: at this launch's N-th step send ourselves the stop signal
-# (STOP_AT, a real SIGUSR2) or raise (CRASH_AT), then run the real entry point.
-HARNESS = """
-import os, signal, sys
-from ddp_slurm.train import step as engine
-from ddp_slurm.train import loop as train
-stop_at, crash_at = int(os.environ.get("STOP_AT", "0")), int(os.environ.get("CRASH_AT", "0"))
-real_make_step = engine.make_step
-def make_step(*args, **kwargs):
-    step, calls = real_make_step(*args, **kwargs), [0]
-    def wrapped(batch):
-        calls[0] += 1
-        if calls[0] == stop_at:
-            os.kill(os.getpid(), signal.SIGUSR2)
-        if calls[0] == crash_at:
-            raise ValueError("injected crash")
-        return step(batch)
-    return wrapped
-engine.make_step = make_step
-sys.exit(train.main(sys.argv[1:]))
-"""
+HARNESS = helpers.INJECTING_HARNESS
 
 
 def launch(cwd: Path, **env: str) -> int:

@@ -53,13 +53,14 @@ def check_world(cfg: Config, env: DistEnv) -> None:
         )
 
 
-def check_task(cfg: Config, env: DistEnv) -> type:
-    """The task class, after its own checks of the config for this world size (ConfigError: exit 2)."""
+def check_task(cfg: Config, env: DistEnv, cls: type | None = None) -> type:
+    """The task class (``cls``, or the one ``task`` names), after its own checks of the config for this
+    world size (ConfigError: exit 2)."""
     import torch
 
     from ddp_slurm.train.task import Context
 
-    cls = config.task_class(cfg.task)
+    cls = cls or config.task_class(cfg.task)
     ctx = Context(
         env.rank,
         env.world_size,
@@ -104,7 +105,7 @@ def _main(config_file: Path | None, overrides: list[str], stop: StopFlag | None,
         cfg = config.load(config_file, overrides, task=task)
         env = DistEnv.from_environ(os.environ)
         check_world(cfg, env)
-        task_cls = check_task(cfg, env)
+        task_cls = check_task(cfg, env, task)
         if stop is None:
             stop = StopFlag(parse_signal(cfg.slurm.signal))
     except (ConfigError, BootstrapError) as exc:

@@ -40,7 +40,7 @@ import pytest
 from ddp_slurm import config
 from ddp_slurm.bootstrap import expand_hostlist
 from ddp_slurm.tasks.mnist import data
-from ddp_slurm.train import checkpoint
+from ddp_slurm.train import checkpoint, loader
 
 pytestmark = pytest.mark.cluster
 
@@ -51,7 +51,7 @@ PER_NODE = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1"]
 _SAMPLE_CFG = config.load(Path(SAMPLE))
 # The sample's default training in optimizer steps (no job here caps it), read from the file so it
 # follows the defaults.
-STEPS_PER_EPOCH = data.steps_per_epoch(data.TRAIN_SIZES["sample"], _SAMPLE_CFG.train.global_batch_size)
+STEPS_PER_EPOCH = loader.steps_per_epoch(data.TRAIN_SIZES["sample"], _SAMPLE_CFG.train.global_batch_size)
 SAMPLE_STEPS = _SAMPLE_CFG.train.epochs * STEPS_PER_EPOCH
 # Slurm checks time limits every 30 s and sends the --signal warning up to 30 s early: with
 # --time=2 --signal=USR2@60 it comes 30-60 s after a run starts. The time-limit job must still be

@@ -1,0 +1,66 @@
+"""Test helpers shared by several test files: the MNIST task's step and evaluation driven directly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ddp_slurm.tasks.mnist.data import Split
+from ddp_slurm.tasks.mnist.task import MNIST, MNISTConfig
+from ddp_slurm.train import loader, step
+from ddp_slurm.train.task import Tensors
+
+TASK = MNIST(MNISTConfig(), ctx=None)  # training_step and eval_step read neither config nor context
+
+
+def mnist_step(
+    model, optimizer, scheduler, split: Split, precision: str = "fp32"
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``step(indices) -> loss``: the runtime's step on the MNIST task's loss, batches gathered from ``split``."""
+    device = split.images.device
+    run = step.make_step(model, optimizer, scheduler, TASK.training_step, device, precision)
+
+    def by_index(indices: torch.Tensor) -> torch.Tensor:
+        indices = indices.to(device)
+        return run((split.images.index_select(0, indices), split.labels.index_select(0, indices)))
+
+    return by_index
+
+
+def mnist_evaluate(model, split: Split, rank: int, world_size: int, precision: str = "fp32", batch: int = 256):
+    """(accuracy, samples, loss) of the runtime's exact sharded evaluation of the MNIST task."""
+    device = split.images.device
+    batches = loader.eval_batches(Tensors(split.images, split.labels), device, rank, world_size, batch, 0)
+    values, count = step.evaluate(model, batches, TASK.eval_step, device, world_size, precision)
+    return values["accuracy"], count, values["loss"]
+
+
+class Injecting(MNIST):
+    """The MNIST task with faults injected at this launch's N-th training step (a test harness, not a product
+    hook): ``STOP_AT`` sends the process a real SIGUSR2, ``CRASH_AT`` raises on rank ``CRASH_RANK`` (default
+    0; RANK unset counts as 0). DDP's warm-up backward (model in eval mode) is not counted."""
+
+    calls = 0
+
+    def training_step(self, model, batch):
+        import os
+        import signal
+
+        inner = getattr(model, "module", model)
+        if inner.training:
+            type(self).calls += 1
+            if type(self).calls == int(os.environ.get("STOP_AT", "0")):
+                os.kill(os.getpid(), signal.SIGUSR2)
+            rank_matches = os.environ.get("RANK", "0") == os.environ.get("CRASH_RANK", "0")
+            if type(self).calls == int(os.environ.get("CRASH_AT", "0")) and rank_matches:
+                raise ValueError(f"injected failure on rank {os.environ.get('RANK', '0')}")
+        return super().training_step(model, batch)
+
+
+INJECTING_HARNESS = """
+import sys
+import helpers
+from ddp_slurm.train import entry
+sys.exit(entry.main(sys.argv[1:], task=helpers.Injecting))
+"""
