@@ -362,7 +362,7 @@ def flip_a_bit(data: bytes) -> bytes:
 def change_a_plain_value(data: bytes) -> bytes:
     """What a flipped bit in the pickled metadata does: the file loads, one number is wrong."""
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    state["samples_in_epoch"] += 64  # would resume at the wrong sample
+    state["step_in_epoch"] += 1  # would resume at the wrong sample
     out = io.BytesIO()
     torch.save(state, out)
     return out.getvalue()

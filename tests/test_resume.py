@@ -310,7 +310,7 @@ def test_signal_to_one_rank_stops_all_and_resume_is_exact(
     assert stop["requeue"] is True  # the requeue signal, outside Slurm: nothing to requeue, exit 75 all the same
     assert 10 <= stop["step"] < STEPS_PER_EPOCH, f"expected a stop inside the first epoch, got {stop}"
     state = checkpoint.load_latest(first.run_dir)
-    assert state["samples_in_epoch"] == stop["step"] * 64 and state["world_size"] == world_size
+    assert state["step_in_epoch"] == stop["step"] and state["world_size"] == world_size
     assert not [k for k in state["model"] if k.startswith("module.")]
 
     second = run_to_end(launches, tmp_path, world_size, MLP)
@@ -397,7 +397,7 @@ def test_signal_during_evaluation(references: References, launches: list[Launch]
     kinds = [(r["kind"], r["step"]) for r in first.rows() if r["kind"] != "train"]
     assert kinds == [("start", 0), ("eval", CNN_EPOCH), ("stop", CNN_EPOCH)], kinds
     state = checkpoint.load_latest(first.run_dir)
-    assert state["samples_in_epoch"] == 0 and state["best_accuracy"] > 0
+    assert state["step_in_epoch"] == 0 and state["best"] > 0
 
     second = run_to_end(launches, tmp_path, 1, CNN)
     assert_resumed_from(second, CNN_EPOCH)
@@ -414,7 +414,7 @@ def test_resume_at_another_world_size(references: References, launches: list[Lau
     first.signal(1, signal.SIGUSR2)
     stop = assert_stopped(first)
     saved = checkpoint.load_latest(first.run_dir)
-    assert saved["world_size"] == 2 and saved["samples_in_epoch"] == (stop["step"] % STEPS_PER_EPOCH) * 64
+    assert saved["world_size"] == 2 and saved["step_in_epoch"] == stop["step"] % STEPS_PER_EPOCH
 
     second = run_to_end(launches, tmp_path, 1, MLP)
     assert_resumed_from(second, stop["step"])
