@@ -1,0 +1,200 @@
+"""Tasks the package does not know, on the real 4-node test cluster: the project's sbatch scripts and
+``python -m ddp_slurm.submit --nodes 4``, with the task selected by a file path relative to the
+submit directory (``task=examples/addition/task.py:Addition``, ``task=line_task.py:Line``), as a user
+submits their own code.
+
+``add_ref``      sbatch/mnist_4node.sh --config add.yaml: the addition example (dropout, augmentation
+                 in ``dataset[i]``, 2 DataLoader workers per rank), 4 ranks on 4 nodes, to the end.
+``add_usr2``     the same job, ``scancel --signal=USR2`` mid-epoch: rank 0 checkpoints and requeues, the
+                 job resumes and ends bit-identical to ``add_ref``.
+``line_torchrun`` sbatch/mnist_torchrun.sh: the minimal task of tests/tasks_helpers.py (nothing in the
+                 package names it), 4 agents x 1 worker.
+Then submit: the minimal task and the example on 4 nodes, ``--wait``.
+
+Jobs use one CPU per rank (``--cpus-per-task=1``) so that runs are bit-for-bit repeatable.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from cluster.test_sbatch import (
+    PER_NODE,
+    REPO,
+    Driver,
+    Job,
+    assert_completed,
+    assert_resumed_exactly,
+    assert_same_weights,
+    rank_hosts,
+    run_plain,
+    run_scancel_usr2,
+)
+from tasks_helpers import LINE_RUN, addition_tiny, write_line_task
+
+from ddp_slurm.train import checkpoint
+
+pytestmark = pytest.mark.cluster
+
+ADD_STEPS_PER_EPOCH = 2048 // 64
+ADD_EPOCHS = 3  # long enough that a USR2 sent once training is underway lands mid-run
+RELATIVE_TASK = "task=examples/addition/task.py:Addition"
+JOB_TIMEOUT_S = 420.0
+
+
+def task_yaml(overrides: list[str]) -> str:
+    """``KEY=VALUE`` overrides as a job YAML file (the way a user gives the sbatch scripts their task)."""
+    sections: dict[str, dict[str, str]] = {}
+    lines = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "task":
+            lines.append(f"task: {value}")
+            continue
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = value
+    for section, body in sections.items():
+        lines.append(f"{section}:")
+        lines += [f"  {name}: {value}" for name, value in body.items()]
+    return "\n".join(lines) + "\n"
+
+
+class TaskDriver(Driver):
+    """Submits from a work directory that holds the user's code: ``examples/`` (a link to the
+    project's) and ``line_task.py``; each job's config is a YAML file there."""
+
+    def __init__(self, cluster, workdir: Path) -> None:
+        super().__init__(cluster, workdir)
+        (workdir / "examples").symlink_to(REPO / "examples")
+        write_line_task(workdir)
+
+    def submit(self, job: Job) -> Job:
+        config_file = self.workdir / f"{job.name}.yaml"
+        config_file.write_text(task_yaml([a for a in job.train_args if a.startswith(("task=", "data.", "model."))]))
+        rest = [a for a in job.train_args if not a.startswith(("task=", "data.", "model."))]
+        job.job_id = self.cluster.sbatch(
+            [*job.sbatch_args, str(REPO / "sbatch" / job.script), "--config", config_file.name, *rest],
+            cwd=self.workdir,
+        )
+        self.submitted.append(job)
+        return job
+
+
+def addition_job(d: TaskDriver, name: str, script: str = "mnist_4node.sh") -> Job:
+    args = [
+        f"run.output_root={d.workdir / 'runs'}",
+        f"run.name={name}",
+        *[RELATIVE_TASK if a.startswith("task=") else a for a in addition_tiny(epochs=ADD_EPOCHS)],
+    ]
+    return Job(name, script, ["--nodes=4", *PER_NODE], args, d.workdir, steps=ADD_EPOCHS * ADD_STEPS_PER_EPOCH)
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Future]:
+    d = TaskDriver(slurm_cluster, tmp_path_factory.mktemp("tasks-sbatch"))
+    line = Job(
+        "line_torchrun",
+        "mnist_torchrun.sh",
+        ["--nodes=4", *PER_NODE],
+        [f"run.output_root={d.workdir / 'runs'}", "run.name=line_torchrun", "task=line_task.py:Line", *LINE_RUN],
+        d.workdir,
+        steps=24,
+    )
+    plan = {
+        "add_ref": (run_plain, addition_job(d, "add_ref")),
+        "add_usr2": (run_scancel_usr2, addition_job(d, "add_usr2")),
+        "line_torchrun": (run_plain, line),
+    }
+    pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="slurm-task-job")
+    futures = {}
+    for name, (scenario, job) in plan.items():
+        futures[name] = pool.submit(scenario, d, job)
+        time.sleep(0.5)
+    try:
+        yield futures
+    finally:
+        if not all(f.done() for f in futures.values()):
+            d.cancel_all()
+        pool.shutdown(wait=True)
+
+
+def result(jobs: dict[str, Future], name: str) -> Job:
+    return jobs[name].result(timeout=JOB_TIMEOUT_S * 2)
+
+
+def test_sbatch_example_4_nodes_to_the_end(jobs, slurm_cluster) -> None:
+    job = result(jobs, "add_ref")
+    assert_completed(job, restarts=0)
+    assert sorted(rank_hosts(job).values()) == sorted(slurm_cluster.nodes)
+    start = job.rows("start")[0]
+    assert (start["world_size"], start["task"]) == (4, "examples/addition/task.py:Addition")
+    final = job.rows("eval")[-1]
+    assert final["test_samples"] == 256 and 0 <= final["accuracy"] <= 1, final
+    assert len(checkpoint.load_latest(job.run_dir)["rng"]) == 4  # every rank's RNG streams
+
+
+def test_sbatch_example_usr2_mid_epoch_requeues_and_ends_bit_identical(jobs) -> None:
+    job, ref = result(jobs, "add_usr2"), result(jobs, "add_ref")
+    assert_completed(job, restarts=1)
+    [stop] = assert_resumed_exactly(job)
+    assert stop["requeue"] is True and stop["step"] % ADD_STEPS_PER_EPOCH != 0, stop  # mid-epoch
+    assert_same_weights(job, ref)
+
+
+def test_sbatch_torchrun_minimal_task(jobs, slurm_cluster) -> None:
+    job = result(jobs, "line_torchrun")
+    assert_completed(job, restarts=0)
+    start = job.rows("start")[0]
+    assert (start["world_size"], start["launcher"], start["task"]) == (4, "torchrun", "line_task.py:Line")
+    assert job.rows("eval")[-1]["mse"] < 0.1
+    state = checkpoint.load_latest(job.run_dir)
+    assert abs(state["model"]["weight"].item() - 3) < 0.3 and abs(state["model"]["bias"].item() - 1) < 0.3
+
+
+# --------------------------------------------------------------------------- submit
+def submit(cluster, cwd: Path, *args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.submit", "--nodes", "4", "--tasks-per-node", "1", "--cpus-per-task", "1"]
+        + ["--wait", *args],
+        cwd=cwd,
+        env={**cluster.env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        text=True,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_submit_4_nodes_minimal_task_and_example(slurm_cluster, tmp_path) -> None:
+    """``python -m ddp_slurm.submit --nodes 4 task=<file>.py:<Name>`` from the user's directory: both
+    tasks train on 4 ranks to the end (submitted together, followed with --wait)."""
+    write_line_task(tmp_path)
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    example = [RELATIVE_TASK if a.startswith("task=") else a for a in addition_tiny(epochs=1)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        line = pool.submit(submit, slurm_cluster, tmp_path, "--name", "line", "task=line_task.py:Line", *LINE_RUN)
+        time.sleep(0.5)
+        add = pool.submit(submit, slurm_cluster, tmp_path, "--name", "add", *example)
+        results = {"line": line.result(), "add": add.result()}
+    for name, res in results.items():
+        assert res.returncode == 0, f"{name}: {res.stdout[-3000:]}{res.stderr[-2000:]}"
+        rows = metrics_rows(tmp_path / "runs" / name)
+        assert (rows[0]["world_size"], rows[0]["launcher"]) == (4, "slurm"), rows[0]
+        assert rows[-1]["kind"] == "end", rows[-1]
+    assert metrics_rows(tmp_path / "runs" / "line")[-1]["best_mse"] < 0.1
+    assert metrics_rows(tmp_path / "runs" / "add")[-1]["step"] == ADD_STEPS_PER_EPOCH
+    state = checkpoint.load_latest(tmp_path / "runs" / "add")
+    assert (
+        state["finished"] and len(state["rng"]) == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
+    )
