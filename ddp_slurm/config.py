@@ -24,8 +24,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunConfig:
-    name: str = "mnist-sample"
-    """Run name; the run directory is ``<output_root>/<name>``. Relaunching the same name resumes it."""
+    name: str | None = None
+    """Run name; the run directory is ``<output_root>/<name>``, and naming an existing one resumes it.
+    Unset (null): each launch gets a new one, ``<task>-<date>-<time>``; inside a Slurm job
+    ``<task>-<job id>``, so that a requeued job continues in it (``submit`` names it at submission)."""
     output_root: str = "runs"
     """Directory holding run directories (relative paths are relative to the working directory)."""
     seed: int = 0
@@ -137,6 +139,8 @@ class Config:
 
     @property
     def run_dir(self) -> Path:
+        if self.run.name is None:
+            raise ValueError("run.name is not chosen yet (ddp_slurm.train.rundir names new runs)")
         return Path(self.run.output_root) / self.run.name
 
     def sections(self) -> dict[str, Any]:
@@ -187,7 +191,10 @@ def checked(
 
 # Value checks beyond the type: key -> (predicate, what was expected).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    "run.name": (lambda v: bool(v) and "/" not in v and v not in (".", ".."), "a non-empty name without '/'"),
+    "run.name": (
+        lambda v: v is None or (bool(v) and "/" not in v and v not in (".", "..")),
+        "null or a non-empty name without '/'",
+    ),
     "run.output_root": (bool, "a non-empty path"),
     "train.epochs": (lambda v: v >= 1, "an integer >= 1"),
     "train.global_batch_size": (lambda v: v >= 1, "an integer >= 1"),

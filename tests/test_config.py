@@ -31,7 +31,7 @@ def test_defaults_without_a_file() -> None:
     assert cfg.model.name == "cnn"
     assert (cfg.train.epochs, cfg.train.global_batch_size, cfg.train.lr) == (4, 64, 4e-3)
     assert (cfg.train.optimizer, cfg.train.schedule, cfg.train.max_steps) == ("adam", "onecycle", None)
-    assert cfg.run_dir == Path("runs") / "mnist-sample"
+    assert (cfg.run.output_root, cfg.run.name) == ("runs", None)  # each launch names a new run directory
 
 
 def test_sample_job_file_is_the_defaults() -> None:
@@ -52,18 +52,20 @@ def test_every_field_has_a_docstring() -> None:
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(config))
+    from ddp_slurm.tasks.mnist import task as mnist_task
+
     documented: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            body = node.body
-            for a, b in zip(body, body[1:]):
-                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                    documented.add(f"{node.name}.{a.target.id}")
-    for section in dataclasses.fields(Config):
-        cls = type(getattr(Config(), section.name))
+    for module in (config, mnist_task):  # the runtime's sections and the built-in task's
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ClassDef):
+                body = node.body
+                for a, b in zip(body, body[1:]):
+                    if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                        documented.add(f"{node.name}.{a.target.id}")
+    for name, section in Config().sections().items():
+        cls = type(section)
         for f in dataclasses.fields(cls):
-            assert f"{cls.__name__}.{f.name}" in documented, f"{section.name}.{f.name} has no docstring"
+            assert f"{cls.__name__}.{f.name}" in documented, f"{name}.{f.name} has no docstring"
 
 
 @pytest.mark.parametrize(

@@ -42,14 +42,14 @@ def torchrun(launcher, module: str, *overrides: str) -> subprocess.Popen:
 
 
 def test_exit_code_matches_train():
-    assert launch.EXIT_STOPPED == train.EXIT_STOPPED
+    assert launch.EXIT_STOPPED == train.EXIT_STOPPED == 75
 
 
 def test_usr2_to_the_agent_alone_reaches_the_workers(launcher, tmp_path):
     """The signal goes to the agent only (no Slurm here to signal the workers too): the launcher
     survives it, passes it on, the workers checkpoint and stop, and the launcher exits 75."""
-    run_dir = tmp_path / "runs" / "mnist-sample"
-    proc = torchrun(launcher, "ddp_slurm.launch", *MLP)
+    run_dir = tmp_path / "runs" / "usr2"
+    proc = torchrun(launcher, "ddp_slurm.launch", *MLP, "run.name=usr2")
     wait_for_training(proc, run_dir)
     os.kill(proc.pid, signal.SIGUSR2)
     out, _ = proc.communicate(timeout=300)
@@ -64,9 +64,9 @@ def test_usr2_to_the_agent_alone_reaches_the_workers(launcher, tmp_path):
 
 def test_plain_torchrun_agent_dies_of_usr2(launcher, tmp_path):
     """Why the launcher exists: torchrun's own agent is killed by the same signal."""
-    proc = torchrun(launcher, "torch.distributed.run", *MLP)
+    proc = torchrun(launcher, "torch.distributed.run", *MLP, "run.name=plain")
     try:
-        wait_for_training(proc, tmp_path / "runs" / "mnist-sample")
+        wait_for_training(proc, tmp_path / "runs" / "plain")
         os.kill(proc.pid, signal.SIGUSR2)
         # wait(), not communicate(): the orphaned workers keep the output pipe open
         assert proc.wait(timeout=300) == -signal.SIGUSR2

@@ -175,9 +175,10 @@ def test_no_arguments_trains_the_cnn_on_the_sample_to_target(launcher: Launcher)
     """``python -m ddp_slurm.train`` alone: the offline default (bundled sample, cnn, 4 epochs)."""
     res = launcher.run(launcher.cmd_train(), timeout=1800)
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
-    run_dir = launcher.cwd / "runs" / "mnist-sample"
+    [run_dir] = (launcher.cwd / "runs").iterdir()  # a new directory, named for the task and the time
+    assert re.fullmatch(r"mnist-\d{8}-\d{6}", run_dir.name), run_dir.name
     resolved = config.read_resolved(run_dir / "config.yaml")
-    assert resolved == config.Config()
+    assert resolved == config.Config(run=config.RunConfig(name=run_dir.name))
     assert (resolved.data.source, resolved.model.name) == ("sample", "cnn")
     _check_contract(run_dir, [], world_size=1)
     accuracy = _final_accuracy(run_dir)

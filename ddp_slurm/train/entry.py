@@ -61,13 +61,14 @@ def check_task(cfg: Config, env: DistEnv, cls: type | None = None) -> type:
     from ddp_slurm.train.task import Context
 
     cls = cls or config.task_class(cfg.task)
+    run_dir = Path(cfg.run.output_root) / (cfg.run.name or "")  # a new run is named once the ranks are up
     ctx = Context(
         env.rank,
         env.world_size,
         env.local_rank,
         torch.device("cpu"),
         cfg.run.seed,
-        cfg.run_dir,
+        run_dir,
         cfg.train.global_batch_size,
     )
     cls(cfg.task_config, ctx).check()

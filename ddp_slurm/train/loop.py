@@ -83,6 +83,10 @@ def train(cfg: Config, task_cls: type[Task], env: DistEnv, device: torch.device,
     if cfg.train.precision == "bf16" and device.type != "cuda":
         raise rundir.UsageError("train.precision=bf16 needs CUDA; use train.precision=fp32 on CPU")
     log_placement(env)
+    if cfg.run.name is None:  # a new run: rank 0 names it, every rank of this launch uses that name
+        cfg.run.name = rundir.job_name(cfg, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
+            env, lambda: rundir.new_name(cfg)
+        )
     lock = rundir.RunLock(cfg.run_dir)
     found: dict[str, Any] = {}
 
