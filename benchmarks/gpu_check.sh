@@ -50,7 +50,7 @@ expect() {  # expect NAME PATTERN: the stage's log must hold PATTERN (a check th
 }
 
 # -p no:cacheprovider: the checkout may be read-only; -rA lists every outcome, so a skip would show.
-stage gpu-tests 150 "$PY" -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q -rA
+stage gpu-tests 150 "$PY" -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_path.py -q -rA
 if grep -qiE "[0-9]+ skipped|^SKIPPED" "$OUT_DIR/gpu-tests.log"; then failed+=("gpu-tests (some skipped on a GPU machine)"); fi
 expect gpu-tests "[0-9]+ passed"
 stage loader-mlp 30 "$PY" -m ddp_slurm.bench loader --device cuda --model mlp --json "$OUT_DIR/loader-mlp.json"

@@ -14,7 +14,7 @@ import socket
 import subprocess
 from collections.abc import Iterator, Mapping, MutableMapping
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from ddp_slurm.dist import hostmem
 from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError, _int
