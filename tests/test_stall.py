@@ -112,7 +112,7 @@ def test_the_rank_behind_names_itself() -> None:
 
 def test_alive_and_level_ranks_are_left_alone(caplog: pytest.LogCaptureFixture) -> None:
     """A long checkpoint or download: nobody behind, every heartbeat moving; no verdict, and a later
-    look is possible again (the lead is given back)."""
+    look is possible again (the turn to look is handed back)."""
     dogs, ended = pack(3, stalling=[0, 1, 2], stall_s=0.4)
     for dog in dogs:
         dog.progress(5)
@@ -120,7 +120,7 @@ def test_alive_and_level_ranks_are_left_alone(caplog: pytest.LogCaptureFixture) 
     for dog in dogs:
         dog.stop()
     assert ended == {}
-    assert caplog.text.count("every rank is alive and level") >= 2  # the lead was given back: looked again
+    assert caplog.text.count("every rank is alive and level") >= 2  # the turn was handed back: looked again
 
 
 def test_the_training_thread_failing_first_keeps_its_own_diagnosis() -> None:
