@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# GPU checks in one call, under 5 minutes on one GPU: the suite's GPU tests, then the loader benchmark
-# on cuda for the mlp and the cnn, then time-to-97% on cuda. Run from anywhere:
+# GPU checks in one call, under 5 minutes. Run from anywhere:
 #
 #     benchmarks/gpu_check.sh [OUTPUT_DIR]      # JSON figures and logs go to OUTPUT_DIR (default: a temp dir)
 #
-# It fails (exit 1) when torch sees no CUDA GPU instead of letting the GPU tests skip. Each stage has
-# its own time limit, so one that hangs cannot eat the others' time; a failed stage does not stop the
-# rest, and the exit status says whether all passed.
+# On one GPU: the suite's GPU tests (tests/test_gpu.py: NCCL at world size 1 through the real training
+# path with the stop vote on; no host sync in the steady-state step and the stop vote under
+# torch.cuda.set_sync_debug_mode("error"); interrupt-and-resume bit-identical with
+# train.deterministic=true; bf16, or its refusal below compute capability 8.0; the error path's abort;
+# two ranks on one GPU refused with one line), then the loader benchmark on cuda for the mlp and the
+# cnn, then time-to-97% on cuda. With 2 or more GPUs also: 2-rank DDP training over NCCL, the doctor
+# on 2 ranks, and `bench ddp --device cuda`.
+#
+# It fails (exit 1) when torch sees no CUDA GPU, when any GPU test skips, when any stage fails or
+# outlives its limit, and when the whole takes 5 minutes or more. Each stage has its own time limit,
+# so one that hangs cannot eat the others' time; a failed stage does not stop the rest, and the exit
+# status and the last lines say which failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}
@@ -16,13 +24,16 @@ fi
 OUT_DIR=${1:-${OUT:-$(mktemp -d)}}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
+BUDGET_S=300
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check: torch sees no CUDA GPU ($PY): nothing to check" >&2
+    echo "gpu_check: FAILED: torch sees no CUDA GPU ($PY): nothing was checked" >&2
     exit 1
 fi
-"$PY" -c 'import torch; print("torch", torch.__version__, "on", torch.cuda.get_device_name(0),
-                               f"({torch.cuda.device_count()} GPU(s))")' | tee "$OUT_DIR/device.txt"
+"$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); v = torch.cuda.nccl.version()
+print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", v if isinstance(v, int) else ".".join(map(str, v)),
+      "on", p.name, f"(compute capability {p.major}.{p.minor}, {torch.cuda.device_count()} GPU(s))")' | tee "$OUT_DIR/device.txt"
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 
 failed=()
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUTPUT_DIR/NAME.log, remember failures
@@ -34,15 +45,38 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUTPUT
     echo "== $name: exit $rc after $((SECONDS - start))s"
     [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
 }
+expect() {  # expect NAME PATTERN: the stage's log must hold PATTERN (a check the exit status cannot make)
+    grep -qE "$2" "$OUT_DIR/$1.log" || failed+=("$1 (no \"$2\" in its log)")
+}
 
 # -p no:cacheprovider: the checkout may be read-only; -rA lists every outcome, so a skip would show.
-stage gpu-tests 120 "$PY" -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q -rA
-if grep -qi "skipped" "$OUT_DIR/gpu-tests.log"; then failed+=("gpu-tests (some skipped on a GPU machine)"); fi
-stage loader-mlp 40 "$PY" -m ddp_slurm.bench loader --device cuda --model mlp --json "$OUT_DIR/loader-mlp.json"
-stage loader-cnn 40 "$PY" -m ddp_slurm.bench loader --device cuda --model cnn --json "$OUT_DIR/loader-cnn.json"
-stage tta 75 "$PY" -m ddp_slurm.bench tta --json "$OUT_DIR/tta.json"
+stage gpu-tests 150 "$PY" -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_path.py -q -rA
+if grep -qiE "[0-9]+ skipped|^SKIPPED" "$OUT_DIR/gpu-tests.log"; then failed+=("gpu-tests (some skipped on a GPU machine)"); fi
+expect gpu-tests "[0-9]+ passed"
+stage loader-mlp 30 "$PY" -m ddp_slurm.bench loader --device cuda --model mlp --json "$OUT_DIR/loader-mlp.json"
+stage loader-cnn 30 "$PY" -m ddp_slurm.bench loader --device cuda --model cnn --json "$OUT_DIR/loader-cnn.json"
+stage tta 60 "$PY" -m ddp_slurm.bench tta --json "$OUT_DIR/tta.json"
 
-echo "figures and logs: $OUT_DIR"
+if [ "$GPUS" -ge 2 ]; then
+    # Two ranks, one GPU each, over NCCL: the real training path, then the preflight, then DDP's cost.
+    stage ddp-2gpu 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m ddp_slurm.train \
+        dist.backend=nccl model.name=cnn train.epochs=1 "run.output_root=$OUT_DIR/runs" run.name=ddp-2gpu
+    expect ddp-2gpu "backend nccl"
+    stage ddp-2gpu-eval 10 "$PY" -c 'import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+last = [r for r in rows if r["kind"] == "eval"][-1]
+print("eval", last)
+sys.exit(0 if last["test_samples"] == 5000 and last["accuracy"] > 0.9 else 1)' "$OUT_DIR/runs/ddp-2gpu/metrics.jsonl"
+    stage doctor-2gpu 45 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m ddp_slurm.doctor
+    expect doctor-2gpu "doctor: verdict OK"
+    stage bench-ddp 75 "$PY" -m ddp_slurm.bench ddp --device cuda --model cnn --windows 4 --repeats 1 \
+        --timeout 70 --json "$OUT_DIR/bench-ddp.json"
+else
+    echo "== ddp-2gpu, doctor-2gpu, bench-ddp: not part of this check: they need 2 GPUs and this machine has $GPUS"
+fi
+
+echo "figures and logs: $OUT_DIR; total ${SECONDS}s"
+if [ "$SECONDS" -ge "$BUDGET_S" ]; then failed+=("the whole check took ${SECONDS}s, over its ${BUDGET_S}s budget"); fi
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_check: FAILED: ${failed[*]}" >&2
     exit 1

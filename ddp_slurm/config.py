@@ -61,7 +61,11 @@ class TrainConfig:
     eval_batch_size: int = 256
     """Samples per evaluation batch on each rank."""
     precision: Literal["fp32", "bf16"] = "fp32"
-    """``bf16`` runs forward/backward under CUDA bf16 autocast; on CPU it is refused (no speed-up there)."""
+    """``bf16`` runs forward/backward under CUDA bf16 autocast; refused on CPU (no speed-up there) and on GPUs
+    older than compute capability 8.0 (no bf16 tensor cores)."""
+    deterministic: bool = False
+    """GPU runs repeat bit-for-bit and resume bit-identically: deterministic cuDNN/cuBLAS kernels (somewhat
+    slower); an op without one raises. CPU runs are bit-exact either way. Guarantees: docs/determinism.md."""
 
 
 @dataclass

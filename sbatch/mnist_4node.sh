@@ -81,6 +81,15 @@ elif [ ! -f "$CONFIG" ]; then
     exit 2
 fi
 
+# If a collective hangs, NCCL's watchdog ends the job after dist.timeout_s: these make each rank first
+# dump its flight recorder (its last collectives: which were issued, which completed) to
+# nccl-traces/<job>.<restart>-rank<N> in the submit directory, the evidence of who stopped where.
+# Values already set in the environment win; CPU (gloo) jobs ignore them.
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$PWD/nccl-traces/${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}-rank}
+mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")" || true  # the dump goes nowhere without it
+
 # One line about the job at the top of every run (a requeued job appends a new one).
 echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s): ${SLURM_JOB_NODELIST}; python ${PYTHON}; config ${CONFIG}; started $(date '+%F %T')"
 

@@ -41,7 +41,9 @@
 # Which Python: the job inherits the environment you submitted from (sbatch copies it), so
 # activate the project's venv first, or load your site's modules here, or set
 # DDP_SLURM_PYTHON=/path/to/venv/bin/python. The job uses `python` from PATH otherwise.
-# Training processes per node: DDP_SLURM_NPROC_PER_NODE, else the GPUs Slurm gave the node, else 1.
+# Training processes per node: DDP_SLURM_NPROC_PER_NODE, else one per GPU Slurm gave the node
+# (SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE, the job's GPU list); a GPU request that gives no per-node
+# count (--gpus=N over several nodes) stops with a message; a job without GPUs runs one CPU process per node.
 #
 # Paths: the job runs in the directory you submitted from; relative paths in the config are
 # relative to it. The config is jobs/mnist.yaml of the project; `--config FILE` as the first
@@ -82,7 +84,18 @@ elif [ ! -f "$CONFIG" ]; then
     exit 2
 fi
 
-NPROC=${DDP_SLURM_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+# If a collective hangs, NCCL's watchdog ends the job after dist.timeout_s: these make each rank first
+# dump its flight recorder (its last collectives: which were issued, which completed) to
+# nccl-traces/<job>.<restart>-rank<N> in the submit directory, the evidence of who stopped where.
+# Values already set in the environment win; CPU (gloo) jobs ignore them.
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$PWD/nccl-traces/${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}-rank}
+mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")" || true  # the dump goes nowhere without it
+
+NPROC_LINE=$("$PYTHON" -m ddp_slurm.launch.nproc) || exit 2  # the error says what to set
+NPROC=${NPROC_LINE%% *}
+NPROC_FROM=${NPROC_LINE#* }
 # Threads per training process: the task's cores shared out, so processes never oversubscribe a node.
 CPUS=${SLURM_CPUS_PER_TASK:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS / NPROC > 0 ? CPUS / NPROC : 1 ))}
@@ -92,7 +105,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CPUS / NPROC > 0 ? CPUS / NPROC : 
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 12000 ))
 
-echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s): ${SLURM_JOB_NODELIST}; ${NPROC} process(es) per node, ${OMP_NUM_THREADS} thread(s) each; rendezvous ${HEAD}:${RDZV_PORT}; python ${PYTHON}; config ${CONFIG}; started $(date '+%F %T')"
+echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s): ${SLURM_JOB_NODELIST}; ${NPROC} process(es) per node (${NPROC_FROM}), ${OMP_NUM_THREADS} thread(s) each; rendezvous ${HEAD}:${RDZV_PORT}; python ${PYTHON}; config ${CONFIG}; started $(date '+%F %T')"
 
 # --ntasks/--ntasks-per-node: one agent per node, whatever task count the job was given.
 # --kill-on-bad-exit=1: if one node fails, stop the others instead of leaving them waiting.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -475,19 +476,74 @@ def test_unknown_backend_rejected() -> None:
         bootstrap.pick_device_and_backend("mpi", 0)
 
 
-@pytest.mark.parametrize(("count", "local_rank", "index"), [(1, 3, 0), (4, 3, 3), (2, 3, 1)])
+@pytest.mark.parametrize(("count", "local_rank", "index"), [(1, 3, 0), (4, 3, 3), (2, 1, 1)])
 def test_gpu_index_never_touches_visible_devices(
     monkeypatch: pytest.MonkeyPatch, count: int, local_rank: int, index: int
 ) -> None:
+    """No GPU here: torch.cuda's answers are fabricated (monkeypatched) to show the mapping alone."""
     torch = pytest.importorskip("torch")
     chosen: list[object] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    device, backend = bootstrap.pick_device_and_backend("auto", local_rank)
+    device, backend = bootstrap.pick_device_and_backend("auto", local_rank, local_rank + 1)
     assert (str(device), backend, chosen) == (f"cuda:{index}", "nccl", [device])
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+@pytest.mark.parametrize(
+    ("count", "local_rank", "local_world_size", "pair"),
+    [(4, 0, 8, (0, 4)), (4, 6, 8, (2, 6)), (2, 1, 3, (0, 2)), (2, 3, 1, (1, 3))],
+)
+def test_two_ranks_on_one_gpu_are_refused_before_init(
+    monkeypatch: pytest.MonkeyPatch, count: int, local_rank: int, local_world_size: int, pair: tuple[int, int]
+) -> None:
+    """More ranks on a node than the GPUs each sees: every rank of the node refuses, naming a pair and
+    the fix, and no device is taken. torch.cuda is monkeypatched (no GPU here)."""
+    torch = pytest.importorskip("torch")
+    chosen: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    with pytest.raises(BootstrapError) as info:
+        bootstrap.pick_device_and_backend("auto", local_rank, local_world_size)
+    message = str(info.value)
+    assert "\n" not in message and chosen == []
+    assert f"local ranks {pair[0]} and {pair[1]} would share GPU {pair[0]}" in message, message
+    assert "--gpus-per-task=1" in message, message
+
+
+@pytest.mark.parametrize(("count", "local_world_size"), [(1, 4), (4, 4), (8, 2)])
+def test_enough_gpus_or_one_per_task_is_not_sharing(count: int, local_world_size: int) -> None:
+    for local_rank in range(local_world_size):
+        group.check_gpu_sharing(count, local_rank, local_world_size)  # raises nothing
+
+
+def test_nccl_errors_keep_their_last_line() -> None:
+    """torch's NCCL errors put the cause on the last line ("Last error: ..."), after a source location."""
+    env = _env("head")
+    duplicate = (
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, invalid usage (run with "
+        "NCCL_DEBUG=WARN for details), NCCL version 2.21.5\nncclInvalidUsage: This usually reflects invalid usage "
+        "of NCCL library.\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"
+    )
+    message = str(bootstrap._rendezvous_error(env, 5.0, RuntimeError(duplicate)))
+    assert "\n" not in message
+    assert "ranks 0 and 1 share one GPU" in message and "--gpus-per-task=1" in message, message
+    assert message.endswith("NCCL: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"), message
+    other = (
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled system error (run with "
+        "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclSystemError: System call (e.g. socket, malloc) or "
+        "external library call failed or device error.\nLast error:\nsocketStartConnect: Connect to 10.0.0.2<41305> "
+        "failed : Software caused connection abort"
+    )
+    message = str(bootstrap._rendezvous_error(env, 5.0, RuntimeError(other)))
+    assert message == (
+        "rank 1: rendezvous at head:29500: NCCL could not set up its communicator (unhandled system error (run "
+        "with NCCL_DEBUG=INFO for details), NCCL version 2.21.5): socketStartConnect: Connect to "
+        "10.0.0.2<41305> failed : Software caused connection abort"
+    )
 
 
 # ---------------------------------------------------------------------------- interfaces
@@ -527,7 +583,7 @@ def test_fix_loopback_sets_ifnames(loopback_host: dict[str, str], caplog: pytest
     with caplog.at_level(logging.INFO, logger="ddp_slurm.dist.group"):
         assert bootstrap.fix_loopback_ifname(_env(), environ) == "eth7"
         assert bootstrap.fix_loopback_ifname(_env(), environ) is None  # already done
-    assert environ == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "eth7"}
+    assert environ == {"GLOO_SOCKET_IFNAME": "eth7"}  # NCCL finds its interface itself: not touched
     assert [r.getMessage() for r in caplog.records if "GLOO_SOCKET_IFNAME" in r.getMessage()] == [
         "host name box resolves to loopback: set GLOO_SOCKET_IFNAME=eth7 (the interface "
         "routing to head) so peers do not dial 127.0.0.1"
@@ -576,6 +632,37 @@ def test_context_manager_destroys_group_on_error() -> None:
 
     with pytest.raises(KeyError), bootstrap.distributed(DistEnv.from_environ({}), "gloo"):
         raise KeyError("boom")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("raises", [True, False])
+def test_error_paths_abort_the_group_and_normal_exits_destroy_it(monkeypatch: pytest.MonkeyPatch, raises: bool) -> None:
+    """An error leaves by abort (NCCL's destroy can wait forever for dead peers), a normal exit by destroy.
+    Both of torch's functions run for real; they are only wrapped to record which one was called."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    called: list[str] = []
+    real_abort, real_destroy = distributed_c10d._abort_process_group, dist.destroy_process_group
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda: (called.append("abort"), real_abort())[1])
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (called.append("destroy"), real_destroy())[1])
+    with contextlib.suppress(KeyError), bootstrap.distributed(DistEnv.from_environ({}), "gloo"):
+        if raises:
+            raise KeyError("boom")
+    assert called == (["abort"] if raises else ["destroy"])
+    assert not dist.is_initialized()
+    bootstrap.shutdown(abort=True)  # nothing left: a no-op
+
+
+def test_abort_falls_back_to_destroy_where_torch_cannot_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    monkeypatch.delattr(distributed_c10d, "_abort_process_group")  # as in a torch without it
+    bootstrap.init_distributed(DistEnv.from_environ({}), "gloo")
+    bootstrap.shutdown(abort=True)
     assert not dist.is_initialized()
 
 

@@ -14,6 +14,7 @@ import sys
 import pytest
 from conftest import base_env
 
+from ddp_slurm.dist.env import DistEnv
 from ddp_slurm.tools import doctor
 
 DOCTOR = [sys.executable, "-m", "ddp_slurm.doctor", "--timeout", "5", "--size-mb", "1", "--iters", "2"]
@@ -162,3 +163,54 @@ def test_cross_checks_find_duplicates_and_shared_gpus():
     assert where == "a" and failure.cause == "CUDA device count vs tasks per node" and "ranks 0, 1" in failure.detail
     wrong = good[:3] + [{**good[3], "correct": False}]
     assert [f.cause for _, f in doctor.cross_checks(wrong)] == ["all-reduce wrong"]
+
+
+UUIDS = [f"GPU-5b1e0c7a-1111-2222-3333-44445555666{i}" for i in range(4)]
+
+
+def _gpu_rows(names: list[str], uuids: list[str]) -> list[dict]:
+    """Four ranks, two per node (a, b), with the GPU names their tasks see and the GPUs' UUIDs."""
+    return [{**_row(r, "ab"[r // 2], r // 2, r % 2, names[r]), "gpu_id": uuids[r]} for r in range(4)]
+
+
+def test_gpus_are_compared_by_uuid_not_by_visible_name():
+    """Per-task device cgroups (--gpus-per-task=1): every task calls its GPU "0", but the UUIDs differ, so
+    nothing is shared; the same UUID under two names is shared. The UUIDs are fabricated (no GPU here)."""
+    assert doctor.cross_checks(_gpu_rows(["0"] * 4, UUIDS)) == []
+    [(where, failure)] = doctor.cross_checks(_gpu_rows(["0", "1", "0", "1"], [UUIDS[0], UUIDS[0], UUIDS[2], UUIDS[3]]))
+    assert where == "a" and failure.cause == "CUDA device count vs tasks per node"
+    assert f"ranks 0, 1 share GPU 0 ({UUIDS[0]})" in failure.detail, failure.detail
+    # The same UUID on two nodes cannot be one device: compared per node (PCI bus ids repeat across nodes).
+    assert doctor.cross_checks(_gpu_rows(["0"] * 4, [UUIDS[0], UUIDS[1], UUIDS[0], UUIDS[1]])) == []
+
+
+class _Props:
+    """What torch.cuda.get_device_properties returns, for the fields the doctor reads."""
+
+    def __init__(self, uuid: str, bus: int) -> None:
+        self.uuid, self.pci_domain_id, self.pci_bus_id, self.pci_device_id = uuid, 0, bus, 0
+
+
+@pytest.mark.parametrize(
+    ("uuid", "expected"), [(UUIDS[1][4:], UUIDS[1]), (UUIDS[1], UUIDS[1]), ("", "00000000:3b:00.0")]
+)
+def test_describe_reports_the_uuid_of_the_gpu_the_rank_takes(monkeypatch, uuid, expected):
+    """torch.cuda is monkeypatched (no GPU here): two visible GPUs, local rank 1 takes index 1."""
+    import torch
+
+    props = [_Props(UUIDS[0][4:], 0x17), _Props(uuid, 0x3B)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props[index])
+    env = DistEnv.from_environ(
+        {
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
+    rep = doctor.describe(env, {"CUDA_VISIBLE_DEVICES": "4,6"})
+    assert (rep.gpu, rep.gpu_id) == ("6", expected)

@@ -53,6 +53,31 @@ def test_a_non_finite_loss_is_named_with_its_step(value: float) -> None:
     assert votes.bad == f"loss is {value} at step 7"
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_every_step_reads_exactly_the_flags_posted_one_step_before(seed: int) -> None:
+    """Random signals and save steps over 60 steps: each exchange returns the flags posted by the step
+    before (plus its own with wait=True), whichever of the two buffers they went through."""
+    import random
+
+    rng = random.Random(seed)
+    stop = StopFlag()
+    votes = engine.StopVote(stop, 1, torch.device("cpu"))
+    posted: tuple[bool, bool, bool] | None = None  # what the previous exchange posted, if not yet read
+    for step in range(1, 61):
+        stop.requeue_requested, stop.terminate_requested = rng.random() < 0.3, rng.random() < 0.3
+        bad = rng.random() < 0.1
+        wait = rng.random() < 0.2
+        now = (stop.requeue_requested, stop.terminate_requested, bad)
+        got = votes.exchange(torch.tensor(float("nan") if bad else 0.5), step, wait=wait)
+        expected = posted or (False, False, False)
+        if wait:
+            expected = tuple(a or b for a, b in zip(expected, now))
+        assert got == expected, (step, got, expected)
+        posted = None if wait else now
+    assert votes.settle() == (posted or (False, False, False))
+    assert votes.settle() == (False, False, False)
+
+
 TWO_RANKS = textwrap.dedent("""
     import json, sys
     import torch

@@ -75,7 +75,16 @@ def test_step_on_gpu_resident_data_never_waits_for_the_device() -> None:
 
 
 def test_bf16_autocast_trains(launcher: Launcher) -> None:
-    """train.precision=bf16: the forward runs in bf16 and the cnn still learns (a real run on the GPU)."""
+    """train.precision=bf16: the forward runs in bf16 and the cnn still learns (a real run on the GPU); below
+    compute capability 8.0 the precision check refuses it with one line instead."""
+    from ddp_slurm.config import ConfigError
+    from ddp_slurm.train.precision import check_precision
+
+    if torch.cuda.get_device_capability(0) < (8, 0):
+        with pytest.raises(ConfigError, match="compute capability 8.0 or newer"):
+            check_precision("bf16", torch.device("cuda", 0))
+        return
+    check_precision("bf16", torch.device("cuda", 0))
     model = models.build("cnn").cuda()
     with engine.autocast(torch.device("cuda"), "bf16"):
         assert model(torch.randn(4, 1, 28, 28, device="cuda")).dtype == torch.bfloat16

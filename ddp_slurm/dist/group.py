@@ -55,11 +55,14 @@ def configure_threads(env: DistEnv, environ: Mapping[str, str]) -> int:
     return threads
 
 
-def pick_device_and_backend(requested: str, local_rank: int) -> tuple[torch.device, str]:
+def pick_device_and_backend(requested: str, local_rank: int, local_world_size: int = 1) -> tuple[torch.device, str]:
     """Choose the backend (``auto``, ``nccl`` or ``gloo``) and this rank's device.
 
     The GPU is ``local_rank % device_count``: CUDA_VISIBLE_DEVICES is never rewritten, so
-    with ``srun --gpus-per-task=1`` every task sees one device and uses index 0.
+    with ``srun --gpus-per-task=1`` every task sees one device and uses index 0. Where a task sees
+    several GPUs but the node has more ranks than that, two ranks would share a GPU: NCCL then
+    fails with "invalid usage" (or two ranks crowd one device), so that is refused here, on every
+    rank of the node alike, before any rank joins the group.
     """
     import torch
 
@@ -72,11 +75,29 @@ def pick_device_and_backend(requested: str, local_rank: int) -> tuple[torch.devi
     if not has_cuda:
         return torch.device("cpu"), backend
     count = torch.cuda.device_count()
-    if local_rank >= count > 1:
-        log.warning("local rank %d but only %d visible GPUs: ranks will share GPUs", local_rank, count)
+    check_gpu_sharing(count, local_rank, local_world_size)
     device = torch.device("cuda", local_rank % count)
     torch.cuda.set_device(device)
     return device, backend
+
+
+def check_gpu_sharing(count: int, local_rank: int, local_world_size: int) -> None:
+    """Refuse a node whose ranks would share GPUs: one line that names the pair and the fix.
+
+    One visible GPU per task is fine whatever the number of ranks: that is Slurm's per-task
+    binding (``--gpus-per-task=1``), where every task's "GPU 0" is another device. Two ranks that
+    still land on one device there are caught by NCCL ("Duplicate GPU detected"), whose line
+    ``_rendezvous_error`` keeps.
+    """
+    ranks = max(local_world_size, local_rank + 1)
+    if count <= 1 or ranks <= count:
+        return
+    first = count if local_rank < count else local_rank  # the first rank past the GPUs, or this one
+    raise BootstrapError(
+        f"{ranks} ranks on this node but each sees only {count} GPUs: local ranks {first % count} and {first} "
+        f"would share GPU {first % count}; ask Slurm for one GPU per rank (--gpus-per-task=1, or "
+        "--ntasks-per-node equal to --gpus-per-node), or start fewer ranks per node"
+    )
 
 
 def route_ifname(addr: str) -> str | None:
@@ -102,13 +123,18 @@ def _is_loopback(host: str) -> bool:
 
 
 def fix_loopback_ifname(env: DistEnv, environ: MutableMapping[str, str]) -> str | None:
-    """Point gloo (and NCCL) at the real interface when this host's name means loopback.
+    """Point gloo at the real interface when this host's name means loopback.
 
     Gloo advertises the address its host name resolves to; where /etc/hosts maps the name to
     127.0.x.1 (common in containers and on some clusters) peers then dial 127.0.0.1 and fail
-    with "connectFullMesh ... Connection refused". Sets GLOO_SOCKET_IFNAME (and
-    NCCL_SOCKET_IFNAME if unset) in ``environ``; never overrides the user's GLOO_SOCKET_IFNAME.
-    Returns the interface set, or None.
+    with "connectFullMesh ... Connection refused". Sets GLOO_SOCKET_IFNAME in ``environ`` (gloo
+    takes it as the exact name of one interface); never overrides the user's value. Returns the
+    interface set, or None.
+
+    NCCL_SOCKET_IFNAME is left alone: NCCL chooses its interfaces itself (never ``lo`` while
+    another exists, InfiniBand first), whatever the host name resolves to, and it reads that
+    variable as a prefix (``eth1`` also matches ``eth10``), which could pin its bootstrap to the
+    wrong card.
     """
     if not env.is_distributed or environ.get("GLOO_SOCKET_IFNAME"):
         return None
@@ -117,37 +143,68 @@ def fix_loopback_ifname(env: DistEnv, environ: MutableMapping[str, str]) -> str 
         return None
     ifname = route_ifname(env.master_addr)
     if ifname is None:
-        log.warning("host name %s resolves to loopback and no interface routes to %s: "
-                    "set GLOO_SOCKET_IFNAME if the ranks cannot connect", hostname, env.master_addr)
+        log.warning(
+            "host name %s resolves to loopback and no interface routes to %s: "
+            "set GLOO_SOCKET_IFNAME if the ranks cannot connect",
+            hostname,
+            env.master_addr,
+        )
         return None
     environ["GLOO_SOCKET_IFNAME"] = ifname
-    environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
-    log.info("host name %s resolves to loopback: set GLOO_SOCKET_IFNAME=%s (the interface routing "
-             "to %s) so peers do not dial 127.0.0.1", hostname, ifname, env.master_addr)
+    log.info(
+        "host name %s resolves to loopback: set GLOO_SOCKET_IFNAME=%s (the interface routing "
+        "to %s) so peers do not dial 127.0.0.1",
+        hostname,
+        ifname,
+        env.master_addr,
+    )
     return ifname
 
 
 def _rendezvous_error(env: DistEnv, timeout_s: float, exc: Exception) -> RendezvousError:
-    """Turn torch's multi-line store errors into one line that says what to do."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """Turn torch's multi-line store and NCCL errors into one line that says what to do."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
     where = f"rank {env.rank}: rendezvous at {env.master_addr}:{env.master_port}"
+    if "NCCL" in text and len(lines) > 1:
+        return _nccl_error(where, text, lines[-1])
     if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return RendezvousError(f"{where} failed: port {env.master_port} is already in use on "
-                               f"{env.master_addr}; set MASTER_PORT to a free port, e.g. "
-                               "`MASTER_PORT=29613`")
+        return RendezvousError(
+            f"{where} failed: port {env.master_port} is already in use on "
+            f"{env.master_addr}; set MASTER_PORT to a free port, e.g. "
+            "`MASTER_PORT=29613`"
+        )
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
     if joined:
-        return RendezvousError(f"{where} timed out after {timeout_s:g} s: expected "
-                               f"{env.world_size} ranks, {joined[1]} arrived")
+        return RendezvousError(
+            f"{where} timed out after {timeout_s:g} s: expected {env.world_size} ranks, {joined[1]} arrived"
+        )
     if "timed out" in text.lower() or "timeout" in text.lower():
-        return RendezvousError(f"{where} timed out after {timeout_s:g} s: could not reach rank 0 "
-                               f"(expected {env.world_size} ranks); check that rank 0 started and "
-                               "that every rank has the same MASTER_ADDR and MASTER_PORT")
+        return RendezvousError(
+            f"{where} timed out after {timeout_s:g} s: could not reach rank 0 "
+            f"(expected {env.world_size} ranks); check that rank 0 started and "
+            "that every rank has the same MASTER_ADDR and MASTER_PORT"
+        )
     if "connectFullMesh" in text or "Connection refused" in text:
-        return RendezvousError(f"{where}: the ranks met but could not connect to each other "
-                               f"({text}); set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to "
-                               "the network interface the nodes share")
+        return RendezvousError(
+            f"{where}: the ranks met but could not connect to each other "
+            f"({text}); set GLOO_SOCKET_IFNAME to the network interface "
+            "the nodes share"
+        )
     return RendezvousError(f"{where} (expected {env.world_size} ranks) failed: {text}")
+
+
+def _nccl_error(where: str, first: str, last: str) -> RendezvousError:
+    """NCCL says what went wrong on its last line ("Last error: ..."); the first only names its source file."""
+    duplicate = re.search(r"rank (\d+) and rank (\d+) both on CUDA device (\w+)", last)
+    if duplicate:
+        return RendezvousError(
+            f"{where}: ranks {duplicate[2]} and {duplicate[1]} share one GPU (bus id {duplicate[3]}), which NCCL "
+            "refuses; give every rank its own GPU (--gpus-per-task=1, or --ntasks-per-node equal to "
+            f"--gpus-per-node). NCCL: {last}"
+        )
+    gist = re.sub(r"^NCCL error in: \S+:\d+,\s*", "", first)
+    return RendezvousError(f"{where}: NCCL could not set up its communicator ({gist}): {last}")
 
 
 def init_distributed(env: DistEnv, backend: str = "auto",
@@ -173,7 +230,7 @@ def init_distributed(env: DistEnv, backend: str = "auto",
                                  f"({exc.strerror or exc})") from None
     configure_threads(env, os.environ)
     hostmem.keep_freed_memory(os.environ)  # no page faults on every CPU step (see hostmem)
-    device, backend = pick_device_and_backend(backend, env.local_rank)
+    device, backend = pick_device_and_backend(backend, env.local_rank, env.local_world_size)
     fix_loopback_ifname(env, os.environ)
     timeout = timedelta(seconds=timeout_s)
     device_id = device if backend == "nccl" else None  # binds NCCL's communicator eagerly
@@ -195,21 +252,43 @@ def init_distributed(env: DistEnv, backend: str = "auto",
     return device, backend
 
 
-def shutdown() -> None:
-    """Destroy the default process group if there is one; safe to call twice."""
+def shutdown(abort: bool = False) -> None:
+    """Leave the default process group if there is one; safe to call twice.
+
+    ``abort=True`` is for error paths: NCCL's orderly destroy waits for its communicators' pending
+    work, which never finishes when a peer has died or hangs, while abort cancels it. A torch
+    without ``_abort_process_group`` (or a backend that refuses it) gets the orderly destroy; gloo's
+    does not wait for peers, so that is safe there.
+    """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if abort:
+        from torch.distributed import distributed_c10d
+
+        abort_group = getattr(distributed_c10d, "_abort_process_group", None)
+        if abort_group is not None:
+            try:
+                abort_group()
+                return
+            except (RuntimeError, ValueError, NotImplementedError) as exc:
+                log.debug("abort of the process group failed (%s): destroying it instead", exc)
+        if not dist.is_initialized():
+            return
+    dist.destroy_process_group()
 
 
 @contextlib.contextmanager
-def distributed(env: DistEnv, backend: str = "auto",
-                timeout_s: float = 300.0) -> Iterator[tuple[torch.device, str]]:
-    """``with distributed(env) as (device, backend):`` — always destroys the group on exit."""
+def distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 300.0) -> Iterator[tuple[torch.device, str]]:
+    """``with distributed(env) as (device, backend):`` — always leaves the group on exit: destroyed
+    after a normal exit, aborted when the body raised (see :func:`shutdown`)."""
     try:
         yield init_distributed(env, backend, timeout_s)
-    finally:
+    except BaseException:
+        shutdown(abort=True)
+        raise
+    else:
         shutdown()
 
 

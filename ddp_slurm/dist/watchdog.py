@@ -15,10 +15,16 @@ blocked in a collective learns it within one interval; when that collective fail
 only because rank 0, the store's host, has exited meanwhile), the rank reports the real cause, and
 rank 0 need keep the store up only until every survivor has seen the verdict.
 
+With NCCL the failure path above never runs for a lost or frozen rank: NCCL's own watchdog ends
+the process at ``dist.timeout_s`` while the training thread waits on the GPU. So a rank that has
+made no progress (``Watchdog.progress``, the step it is in) for a deadline shorter than that timeout
+looks for the cause itself, from the heartbeat thread: see ``dist/stall.py``.
+
 Cost while training: one tiny store write and one existence check per rank per ``interval_s``, off
 the training thread. On the failure path everything is bounded (about ``grace_s`` + ``2 *
 op_timeout_s``), so a dead peer never turns into a hang here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +34,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +50,16 @@ class PeerLost(RuntimeError):
 class Watchdog:
     """Heartbeat for this rank plus the failure diagnosis. Use :func:`watch` rather than this directly."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, store_addr: str, agent_store: bool = False,
-                 interval_s: float = 1.0, grace_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        store_addr: str,
+        agent_store: bool = False,
+        interval_s: float = 1.0,
+        grace_s: float = 5.0,
+    ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.store_addr = store_addr  # host:port, for messages
         self.agent_store = agent_store  # torchrun's agent runs the store, not rank 0
@@ -58,18 +73,27 @@ class Watchdog:
         # its training thread is still blocked in a collective: when that one fails later, maybe
         # after the store's host has exited, the real cause is already known.
         self._seen: tuple[int, str] | None = None
+        self._progress = -1  # the step the training thread last reported (-1: none yet), in the heartbeat
+        self.moved = time.monotonic()  # when it last changed
+        self.failing = False  # the training thread is diagnosing a failure itself (explain)
+        self.after_beat: Callable[[], None] | None = None  # run on the heartbeat thread after each beat
         self._thread = threading.Thread(target=self._beat_forever, name="ddp_slurm-heartbeat", daemon=True)
 
     # -- heartbeat ------------------------------------------------------------------------------
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._op("set", f"info/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         self._beat()
         self._thread.start()
         return self
 
+    def progress(self, step: int) -> None:
+        """Called by the training thread at every step: the heartbeat then tells where this rank is."""
+        if step != self._progress:
+            self._progress, self.moved = step, time.monotonic()
+
     def _beat(self) -> None:
         self._seq += 1
-        self._op("set", f"hb/{self.rank}", f"{self._seq} {time.time():.3f}")
+        self._op("set", f"hb/{self.rank}", f"{self._seq} {time.time():.3f} {self._progress}")
 
     def _beat_forever(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -81,6 +105,8 @@ class Watchdog:
                     count, _, text = self._op("get", "verdict").decode().partition("\t")
                     self._seen = int(count), text
                     self._op("add", "seen", 1)
+                if self.after_beat is not None:
+                    self.after_beat()
             except Exception as exc:  # the store is gone: the diagnosis will say so; don't spam the log
                 log.debug("heartbeat stopped: %s", exc)
                 return
@@ -122,7 +148,9 @@ class Watchdog:
             info = self._op("get", f"info/{r}").decode().split() if self._op("check", [f"info/{r}"]) else []
             where = f"host {info[0]}, pid {info[1]}" if len(info) == 2 else "host unknown"
             stamp = first[r]
-            silent = f"no heartbeat for {time.time() - float(stamp.split()[1]):.0f} s" if stamp else "no heartbeat at all"
+            silent = (
+                f"no heartbeat for {time.time() - float(stamp.split()[1]):.0f} s" if stamp else "no heartbeat at all"
+            )
             lost.append((r, where, silent))
         return lost
 
@@ -155,14 +183,17 @@ class Watchdog:
     def explain(self, exc: BaseException) -> tuple[PeerLost, int] | None:
         """``(PeerLost naming the vanished ranks, how many)``, or None if every rank is alive (then
         ``exc`` tells the story by itself)."""
+        self.failing = True
         cause = _first_line(exc)
         try:
             count, verdict = self._verdict()
         except Exception as store_exc:  # the store's host is gone, and with it (at least) that process
             if self._seen is not None and self._seen[0]:  # it left after the verdict: that is the story
                 return PeerLost(f"{self._seen[1]}; this rank's collective failed with: {cause}"), self._seen[0]
-            return PeerLost(f"lost {self._store_owner()}: the rendezvous store it hosted is unreachable "
-                            f"({_first_line(store_exc)}); this rank's collective failed with: {cause}"), 1
+            return PeerLost(
+                f"lost {self._store_owner()}: the rendezvous store it hosted is unreachable "
+                f"({_first_line(store_exc)}); this rank's collective failed with: {cause}"
+            ), 1
         if not count:
             return None
         return PeerLost(f"{verdict}; this rank's collective failed with: {cause}"), count
@@ -171,7 +202,9 @@ class Watchdog:
         if self.agent_store:
             return f"the torchrun agent at {self.store_addr}"
         host, _, pid = (self._rank0 or "").partition(" ")
-        return f"rank 0 (host {host}, pid {pid}, store at {self.store_addr})" if pid else f"rank 0 (at {self.store_addr})"
+        return (
+            f"rank 0 (host {host}, pid {pid}, store at {self.store_addr})" if pid else f"rank 0 (at {self.store_addr})"
+        )
 
     def linger(self, lost: int) -> None:
         """On the store's host: keep the store up until every survivor's heartbeat has picked up the
@@ -195,28 +228,46 @@ def _first_line(exc: BaseException) -> str:
 def _store_client(env: Any, timeout_s: float) -> Any:
     import torch.distributed as dist
 
-    return dist.TCPStore(env.master_addr, env.master_port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        env.master_addr, env.master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 @contextlib.contextmanager
-def watch(env: Any, ignore: tuple[type[BaseException], ...] = (), op_timeout_s: float = 5.0) -> Iterator[Watchdog | None]:
+def watch(
+    env: Any,
+    ignore: tuple[type[BaseException], ...] = (),
+    op_timeout_s: float = 5.0,
+    stall_s: float | None = None,
+    on_lost: Callable[[PeerLost, int], None] | None = None,
+) -> Iterator[Watchdog | None]:
     """Heartbeat while the block runs; an exception not in ``ignore`` that a lost rank explains is
     re-raised as :class:`PeerLost` (chained to the original). No-op for a single process.
+
+    ``stall_s`` (see ``stall.deadline_s``): a rank whose reported progress has not moved for that long
+    looks for a lost or stuck rank itself and, finding one, calls ``on_lost(error, lost)`` on the
+    heartbeat thread (default: log the error and end the process with exit 1). The training thread
+    must then call ``progress(step)`` on the yielded watchdog every step.
 
     Call inside the process group's lifetime: the store at MASTER_ADDR:MASTER_PORT is up then.
     """
     if env.world_size <= 1:
         yield None
         return
-    import torch.distributed as dist
     from torch.distributed import PrefixStore
+
+    from ddp_slurm.dist import group
 
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun restarts reuse the agent's store
     try:
         store = PrefixStore(f"ddp_slurm/watchdog/{attempt}/", _store_client(env, op_timeout_s))
-        dog = Watchdog(store, env.rank, env.world_size, f"{env.master_addr}:{env.master_port}", agent_store).start()
+        dog = Watchdog(store, env.rank, env.world_size, f"{env.master_addr}:{env.master_port}", agent_store)
+        if stall_s is not None:
+            from ddp_slurm.dist.stall import StallCheck
+
+            dog.after_beat = StallCheck(dog, stall_s, on_lost)
+        dog.start()
     except Exception as exc:  # a diagnosis aid must never stop a healthy run
         log.warning("heartbeat off (a lost rank will not be named): %s", _first_line(exc))
         yield None
@@ -232,8 +283,8 @@ def watch(env: Any, ignore: tuple[type[BaseException], ...] = (), op_timeout_s: 
         error, count = found
         if dog.hosts_store:
             # Close our collectives first, so ranks still blocked on us fail now and come for the verdict.
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+            with contextlib.suppress(Exception):  # abort: NCCL's orderly destroy can wait forever for the lost rank
+                group.shutdown(abort=True)
             dog.linger(lost=count)
         raise error from exc
     finally:

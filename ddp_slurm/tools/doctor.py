@@ -61,7 +61,8 @@ class Report:
     ifname: str | None
     if_address: str | None
     cuda_count: int
-    gpu: str | None  # the physical GPU this rank takes (a CUDA_VISIBLE_DEVICES entry or an index)
+    gpu: str | None  # the GPU this rank takes as its task sees it (a CUDA_VISIBLE_DEVICES entry or an index)
+    gpu_id: str | None = None  # that GPU's identity on the node: its UUID (else its PCI bus id)
     device: str = "?"
     backend: str = "?"
     slurm_tasks: int | None = None  # tasks (srun) or agents (srun torchrun) in the Slurm step
@@ -99,6 +100,21 @@ def _interfaces() -> dict[str, str]:
     return found
 
 
+def gpu_identity(index: int) -> str | None:
+    """The physical identity of visible GPU ``index``: ``GPU-<uuid>`` as nvidia-smi prints it, else its
+    PCI address. Names like "GPU 0" say nothing: with per-task device cgroups every task's GPU is "0"."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return None
+    return f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+
+
 def describe(env: DistEnv, environ: Mapping[str, str]) -> Report:
     """This rank's report, before any network traffic. Call after ``fix_loopback_ifname``."""
     import torch
@@ -112,11 +128,12 @@ def describe(env: DistEnv, environ: Mapping[str, str]) -> Report:
     else:  # gloo binds to whatever the host name resolves to
         if_address, ifname = host_ip, next((name for name, ip in nics.items() if ip == host_ip), None)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu = None
+    gpu = gpu_id = None
     if count:
         visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         index = env.local_rank % count  # what bootstrap.pick_device_and_backend chooses
         gpu = visible[index] if index < len(visible) else str(index)
+        gpu_id = gpu_identity(index)
     step = environ.get("SLURM_STEP_ID", "")
     in_step = step.isdigit() and int(step) < 0xFFFFFFF0  # not the batch/extern pseudo-steps
     tasks = environ.get("SLURM_STEP_NUM_TASKS") if in_step else None
@@ -139,6 +156,7 @@ def describe(env: DistEnv, environ: Mapping[str, str]) -> Report:
         if_address=if_address,
         cuda_count=count,
         gpu=gpu,
+        gpu_id=gpu_id,
         slurm_tasks=int(tasks) if tasks and tasks.isdigit() else None,
     )
 
@@ -369,8 +387,8 @@ def cross_checks(rows: list[dict[str, Any]]) -> list[tuple[str, Failure]]:
     for r in rows:
         hosts_of_node[r["node_rank"]].add(r["host"])
         local_ranks[(r["host"], r["node_rank"])].append(r["local_rank"])
-        if r["gpu"] is not None:
-            gpu_users[(r["node"], r["gpu"])].append(r["rank"])
+        if r["gpu"] is not None:  # the same physical device, not the same name: every task's may be "0"
+            gpu_users[(r["node"], r.get("gpu_id") or r["gpu"])].append(r["rank"])
         if not r["correct"]:
             problems.append(
                 (
@@ -406,9 +424,11 @@ def cross_checks(rows: list[dict[str, Any]]) -> list[tuple[str, Failure]]:
                     ),
                 )
             )
-    for (node, gpu), ranks in sorted(gpu_users.items()):
+    for (node, _), ranks in sorted(gpu_users.items()):
         if len(ranks) > 1:
-            count = next(r["cuda_count"] for r in rows if r["rank"] == ranks[0])
+            first = next(r for r in rows if r["rank"] == ranks[0])
+            count = first["cuda_count"]
+            gpu = first["gpu"] + (f" ({first['gpu_id']})" if first.get("gpu_id") else "")
             problems.append(
                 (
                     f"{node}",
@@ -583,7 +603,9 @@ def _after_init(
 
     @contextlib.contextmanager
     def phase(what: str) -> Iterator[None]:
-        limit = args.timeout + grace
+        # gloo raises when a collective outlives --timeout, and that error names the cause best; NCCL's own
+        # watchdog instead kills the process at --timeout, before any verdict: there the doctor's comes first.
+        limit = 0.8 * args.timeout if rep.backend == "nccl" else args.timeout + grace
         watchdog.arm(
             limit,
             lambda: fail_line(

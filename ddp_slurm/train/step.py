@@ -277,26 +277,37 @@ class StopVote:
     rank (a blocking all-reduce per step did: 1-3 ms of a 40 ms step at 2 CPU ranks). Every rank reads
     the same flags after the same step, so all still stop together, one step after the signal. With
     ``wait=True`` (before an evaluation or a checkpoint) the step's own flags are awaited as well, so
-    nothing non-finite is evaluated or saved. On a GPU the flags stay on the device, and reading the
-    previous step's lets the device run one step ahead of the host instead of draining every step.
+    nothing non-finite is evaluated or saved.
+
+    On a GPU the flags never make the host wait for the current step: a side stream waits (on the
+    device) for the all-reduce, copies the result into pinned host memory without blocking and
+    records an event; one step later the host waits on that event, which the GPU passed while it was
+    already running the next step. The host stays at most one step ahead of the device, and no call
+    here synchronises a stream or the device (``torch.cuda.set_sync_debug_mode("error")`` passes:
+    tests/test_gpu.py). Only ``wait=True`` and ``settle`` wait for the step just posted.
     """
 
     def __init__(self, stop: StopFlag, world_size: int, device: torch.device) -> None:
         self.stop, self.world_size = stop, world_size
         self.bad = ""  # why the loss was flagged, once it was: "loss is nan at step 12"
         self._buffers = (torch.zeros(3, device=device), torch.zeros(3, device=device))  # posted, being reduced
-        self._pending: tuple[torch.Tensor, Any, torch.Tensor | None, int] | None = None
+        self._cuda = _HostCopies(device) if device.type == "cuda" else None
+        self._pending: tuple[int, Any, torch.Tensor | None, int] | None = None  # slot, work, loss, step
 
     def exchange(self, loss: torch.Tensor | None, step: int, wait: bool = False) -> tuple[bool, bool, bool]:
         """Post this rank's flags after ``step``; return the agreed (requeue, terminate, non-finite)
         of the step before (all False the first time), or with ``wait`` of this step too."""
         previous = self._pending
-        flags = self._buffers[1] if previous is not None and previous[0] is self._buffers[0] else self._buffers[0]
+        slot = 1 if previous is not None and previous[0] == 0 else 0
+        flags = self._buffers[slot]
         flags[0] = float(self.stop.requeue_requested)
         flags[1] = float(self.stop.terminate_requested)
         flags[2] = 0.0 if loss is None else (~torch.isfinite(loss)).float()
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if self.world_size > 1 else None
-        self._pending = (flags, work, loss, step)
+        if self._cuda is not None:
+            self._cuda.post(slot, flags, work)
+            work = None  # the side stream waits for it
+        self._pending = (slot, work, loss, step)
         agreed = self._collect(previous)
         if wait:
             agreed = tuple(a or b for a, b in zip(agreed, self.settle()))
@@ -307,18 +318,48 @@ class StopVote:
         pending, self._pending = self._pending, None
         return self._collect(pending)
 
-    def _collect(self, pending: tuple[torch.Tensor, Any, torch.Tensor | None, int] | None) -> tuple[bool, bool, bool]:
+    def _collect(self, pending: tuple[int, Any, torch.Tensor | None, int] | None) -> tuple[bool, bool, bool]:
         if pending is None:
             return False, False, False
-        flags, work, loss, step = pending
-        if work is not None:
-            work.wait()
-        requeue, terminate, bad = (v > 0 for v in flags.tolist())
+        slot, work, loss, step = pending
+        if self._cuda is not None:
+            values = self._cuda.read(slot)
+        else:
+            if work is not None:
+                work.wait()
+            values = self._buffers[slot].tolist()
+        requeue, terminate, bad = (v > 0 for v in values)
         if bad and not self.bad:
-            value = loss.item() if loss is not None else float("nan")
+            value = loss.item() if loss is not None else float("nan")  # the failure path may wait
             self.bad = (
                 f"loss is {value} at step {step}"
                 if not math.isfinite(value)
                 else f"loss is not finite on another rank at step {step}"
             )
         return requeue, terminate, bad
+
+
+class _HostCopies:
+    """The CUDA side of :class:`StopVote`: per slot, pinned host memory filled by an asynchronous copy
+    on a side stream, and the event that says the copy has landed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.host = tuple(torch.zeros(3, pin_memory=True) for _ in range(2))
+        self.done = tuple(torch.cuda.Event() for _ in range(2))
+
+    def post(self, slot: int, flags: torch.Tensor, work: Any) -> None:
+        """Copy ``flags`` to the host once the all-reduce ``work`` (None: none) is done, without the host
+        or the training stream waiting for it."""
+        self.stream.wait_stream(torch.cuda.current_stream(flags.device))  # the flags were written there
+        with torch.cuda.stream(self.stream):
+            if work is not None:
+                work.wait()  # NCCL: this stream waits for the collective; the host does not
+            self.host[slot].copy_(flags, non_blocking=True)
+            self.done[slot].record(self.stream)
+        # ``flags`` lives as long as the vote and is written again only two posts later, after ``read`` of
+        # this slot has waited for the copy: no record_stream needed.
+
+    def read(self, slot: int) -> list[float]:
+        self.done[slot].synchronize()  # a step after the post: long passed, unless the host is far ahead
+        return self.host[slot].tolist()

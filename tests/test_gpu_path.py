@@ -1,0 +1,155 @@
+"""The GPU path on a CUDA GPU: no host sync in the steady-state step nor in the stop vote (NCCL),
+interrupt-and-resume bit-identical with train.deterministic=true, the error path's abort of an NCCL
+group, and NCCL's refusal of two ranks on one GPU turned into one line.
+
+Marked ``gpu`` like tests/test_gpu.py, and skipped the same way without CUDA (CI machines have none);
+``benchmarks/gpu_check.sh`` runs both files and fails if anything skips. Checks that need two GPUs are
+stages of gpu_check.sh, so that nothing here skips on a one-GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Launcher, base_env
+
+from ddp_slurm import config
+from ddp_slurm.dist import group
+from ddp_slurm.dist.env import DistEnv
+from ddp_slurm.exitcodes import EXIT_STOPPED
+from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train import checkpoint
+from ddp_slurm.train import step as engine
+from ddp_slurm.train.signals import StopFlag
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (torch.cuda.is_available() is false); run benchmarks/gpu_check.sh on one",
+    ),
+]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_stop_vote_and_steps_never_synchronise_the_host() -> None:
+    """Steady-state steps (data resident on the GPU, the package's fused optimizer) with the stop vote,
+    through NCCL (a 1-rank group; the vote is told 2 ranks so that it all-reduces, which over one rank
+    is the identity), under set_sync_debug_mode("error"): any stream or device synchronisation raises.
+    A signal is still agreed exactly one step late, and a non-finite loss is named with its step."""
+    device = torch.device("cuda", 0)
+    with group.distributed(DistEnv.from_environ({}), "nccl") as (dev, backend):
+        assert (dev, backend) == (device, "nccl")
+        train = data.load_sample(train=True)
+        images, labels = train.images.to(device), train.labels.to(device)
+        cfg = config.load(overrides=["model.name=mlp"]).train
+        torch.manual_seed(0)
+        model = models.build("mlp").to(device)
+        opt = engine.make_optimizer(cfg, model.parameters(), device)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0)).to(device)
+
+        def step(i: int) -> torch.Tensor:
+            batch = order[(i % 70) * 64 : (i % 70 + 1) * 64]
+            loss = F.cross_entropy(model(data.normalize(images.index_select(0, batch))), labels.index_select(0, batch))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        stop = StopFlag()
+        votes = engine.StopVote(stop, 2, device)
+        for i in range(1, 4):  # warm-up: allocations, NCCL's first collective, the pinned buffers
+            votes.exchange(step(i), i)
+        torch.cuda.synchronize()
+        agreed = {}
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(4, 70):
+                if i == 40:
+                    stop.requeue_requested = True  # arrives during step 40
+                agreed[i] = votes.exchange(step(i), i)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(agreed[i] == (False, False, False) for i in range(4, 41)), agreed
+        assert all(agreed[i] == (True, False, False) for i in range(41, 70)), agreed
+        assert votes.settle() == (True, False, False)
+        votes.exchange(torch.tensor(float("nan"), device=device), 70)
+        assert votes.exchange(torch.tensor(0.5, device=device), 71) == (True, False, True)
+        assert votes.bad == "loss is nan at step 70"
+
+
+def _train_until(launcher: Launcher, name: str, overrides: list[str], stop_after: int | None) -> None:
+    """Train ``name``; with ``stop_after``, SIGUSR2 once a ``train`` row at or past that step is written, check the
+    clean stop (exit 75), and launch again to the end."""
+    cmd = launcher.cmd_train(*overrides, f"run.name={name}")
+    if stop_after is not None:
+        run_dir = launcher.cwd / "runs" / name
+        proc = launcher.popen(cmd)
+        deadline = time.monotonic() + 300
+        while not any(r["kind"] == "train" and r["step"] >= stop_after for r in _rows_if_any(run_dir)):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no training within 300 s"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGUSR2)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == EXIT_STOPPED, out
+    res = launcher.run(cmd, timeout=600)
+    assert res.returncode == 0, res.stderr
+
+
+def _rows_if_any(run_dir: Path) -> list[dict]:
+    try:
+        return _rows(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line being written
+        return []
+
+
+def test_deterministic_interrupt_and_resume_is_bit_identical(launcher: Launcher) -> None:
+    """cnn (cuDNN convolutions), train.deterministic=true: stopped by SIGUSR2 mid-epoch and resumed, the
+    final weights and optimizer state equal those of an uninterrupted run bit for bit."""
+    overrides = ["model.name=cnn", "train.epochs=2", "train.deterministic=true", "train.log_every_steps=5"]
+    _train_until(launcher, "whole", overrides, None)
+    _train_until(launcher, "resumed", overrides, 30)
+    whole = checkpoint.load_latest(launcher.cwd / "runs" / "whole")
+    resumed = checkpoint.load_latest(launcher.cwd / "runs" / "resumed")
+    assert whole["finished"] and resumed["finished"] and whole["step"] == resumed["step"]
+    for key, tensor in whole["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    for index, state in whole["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, resumed["optimizer"]["state"][index][key]), (index, key)
+
+
+def test_error_path_aborts_the_nccl_group() -> None:
+    """The body raises after a collective: the group is aborted (not destroyed), promptly, and is gone."""
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    with pytest.raises(KeyError), group.distributed(DistEnv.from_environ({}), "nccl"):
+        value = torch.ones(1, device="cuda")
+        dist.all_reduce(value)
+        raise KeyError("boom")
+    assert not dist.is_initialized() and time.monotonic() - start < 60
+
+
+def test_two_ranks_on_one_gpu_end_with_one_line(launcher: Launcher) -> None:
+    """Two ranks that see one GPU each, the same one (CUDA_VISIBLE_DEVICES=0 for both: what a missing
+    --gpus-per-task looks like under per-task cgroups): NCCL refuses, and the log says which ranks share
+    a GPU and what to ask Slurm for, not "rendezvous failed"."""
+    res = launcher.run(
+        launcher.cmd_torchrun(2, "dist.backend=nccl", "model.name=mlp", "train.max_steps=5", "run.name=dup"),
+        env=base_env(CUDA_VISIBLE_DEVICES="0"),
+        timeout=300,
+    )
+    assert res.returncode != 0, res.stderr
+    assert "share one GPU" in res.stderr and "--gpus-per-task=1" in res.stderr, res.stderr[-4000:]
