@@ -9,24 +9,16 @@ module stays cheap.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import logging
-import os
 import re
-import shutil
-import socket
-import subprocess
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from ddp_slurm.dist import hostmem
-
 if TYPE_CHECKING:
-    import torch
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +63,7 @@ def _int(environ: Mapping[str, str], *names: str, minimum: int = 0) -> Var | Non
     return name, int(raw)
 
 
-def _need(environ: Mapping[str, str], *names: str, minimum: int = 0,
-          why: str = "required") -> Var:
+def _need(environ: Mapping[str, str], *names: str, minimum: int = 0, why: str = "required") -> Var:
     found = _int(environ, *names, minimum=minimum)
     if found is None:
         raise BootstrapError(f"{why}, but {' / '.join(names)} is not set")
@@ -81,8 +72,7 @@ def _need(environ: Mapping[str, str], *names: str, minimum: int = 0,
 
 def _below(small: Var, big: Var) -> None:
     if small[1] >= big[1]:
-        raise BootstrapError(f"{small[0]}={small[1]} but {big[0]}={big[1]}: "
-                             f"{small[0]} must be smaller than {big[0]}")
+        raise BootstrapError(f"{small[0]}={small[1]} but {big[0]}={big[1]}: {small[0]} must be smaller than {big[0]}")
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -228,7 +218,8 @@ class DistEnv:
             if job_id is not None and tasks is not None and tasks[1] > 1:
                 raise BootstrapError(
                     f"{tasks[0]}={tasks[1]} but this process is not in a job step: launch with "
-                    "`srun python -m ddp_slurm.train ...` (or run one task per job)")
+                    "`srun python -m ddp_slurm.train ...` (or run one task per job)"
+                )
         launcher, rank, local_rank, world, local_world, node_rank, num_nodes = layout
         derived: int | None = None
         if array_job and array_task:
@@ -238,12 +229,22 @@ class DistEnv:
         master_addr = _master_addr(environ, launcher, num_nodes)
         master_port = _master_port(environ, derived, world)
         return cls(
-            rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
-            node_rank=node_rank, num_nodes=num_nodes, master_addr=master_addr,
-            master_port=master_port, job_id=job_id, restart_count=restart[1] if restart else 0,
-            launcher=launcher, array_job_id=array_job[1] if array_job else None,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            master_addr=master_addr,
+            master_port=master_port,
+            job_id=job_id,
+            restart_count=restart[1] if restart else 0,
+            launcher=launcher,
+            array_job_id=array_job[1] if array_job else None,
             array_task_id=array_task[1] if array_task else None,
-            cpus_per_task=cpus[1] if cpus else None, in_slurm_job=job_id is not None)
+            cpus_per_task=cpus[1] if cpus else None,
+            in_slurm_job=job_id is not None,
+        )
 
 
 Layout = tuple[str, int, int, int, int, int, int]
@@ -271,8 +272,9 @@ def _master_port(environ: Mapping[str, str], derived: int | None, world: int) ->
         return derived
     if world == 1:
         return 0
-    raise BootstrapError(f"WORLD_SIZE={world} but MASTER_PORT is not set and there is "
-                         "no SLURM_JOB_ID to derive one from")
+    raise BootstrapError(
+        f"WORLD_SIZE={world} but MASTER_PORT is not set and there is no SLURM_JOB_ID to derive one from"
+    )
 
 
 def _in_srun_step(environ: Mapping[str, str]) -> bool:
@@ -289,21 +291,26 @@ def _torchrun_layout(environ: Mapping[str, str]) -> Layout:
     missing = [name for name in _TORCHRUN_VARS if _get(environ, name) is None]
     if missing:
         present = [name for name in _TORCHRUN_VARS if name not in missing]
-        raise BootstrapError(f"{', '.join(present)} set but {', '.join(missing)} missing: "
-                             "torchrun sets all of RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE")
+        raise BootstrapError(
+            f"{', '.join(present)} set but {', '.join(missing)} missing: "
+            "torchrun sets all of RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE"
+        )
     rank, local_rank = _need(environ, "RANK"), _need(environ, "LOCAL_RANK")
     world = _need(environ, "WORLD_SIZE", minimum=1)
     local_world = _need(environ, "LOCAL_WORLD_SIZE", minimum=1)
     _below(rank, world)
     _below(local_rank, local_world)
     if local_world[1] > world[1]:
-        raise BootstrapError(f"LOCAL_WORLD_SIZE={local_world[1]} but WORLD_SIZE={world[1]}: "
-                             "a node cannot hold more ranks than the job")
+        raise BootstrapError(
+            f"LOCAL_WORLD_SIZE={local_world[1]} but WORLD_SIZE={world[1]}: a node cannot hold more ranks than the job"
+        )
     nodes = _int(environ, "GROUP_WORLD_SIZE", minimum=1)
     if nodes is None:
         if world[1] % local_world[1]:
-            raise BootstrapError(f"WORLD_SIZE={world[1]} is not a multiple of LOCAL_WORLD_SIZE="
-                                 f"{local_world[1]} and GROUP_WORLD_SIZE is not set")
+            raise BootstrapError(
+                f"WORLD_SIZE={world[1]} is not a multiple of LOCAL_WORLD_SIZE="
+                f"{local_world[1]} and GROUP_WORLD_SIZE is not set"
+            )
         nodes = ("WORLD_SIZE/LOCAL_WORLD_SIZE", world[1] // local_world[1])
     node = _int(environ, "GROUP_RANK") or ("RANK/LOCAL_WORLD_SIZE", rank[1] // local_world[1])
     _below(node, nodes)
@@ -326,11 +333,10 @@ def _slurm_layout(environ: Mapping[str, str]) -> Layout:
     counts = _tasks_per_node(*per_node_var)
     nodes = nodes or (per_node_var[0], len(counts))
     if len(counts) != nodes[1] or sum(counts) != world[1]:
-        raise BootstrapError(f"{per_node_var[0]}={per_node_var[1]!r} disagrees with "
-                             f"{nodes[0]}={nodes[1]} and {world[0]}={world[1]}")
+        raise BootstrapError(
+            f"{per_node_var[0]}={per_node_var[1]!r} disagrees with {nodes[0]}={nodes[1]} and {world[0]}={world[1]}"
+        )
     _below(node, nodes)
     local_world = (f"{per_node_var[0]}[{node[1]}]", counts[node[1]])
     _below(local_rank, local_world)
     return "slurm", rank[1], local_rank[1], world[1], local_world[1], node[1], nodes[1]
-
-

@@ -12,9 +12,9 @@ import re
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ddp_slurm.dist import hostmem
 from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError, _int
@@ -107,8 +107,9 @@ def route_ifname(addr: str) -> str | None:
         return None
     try:
         ip = socket.gethostbyname(addr)
-        out = subprocess.run([ip_tool, "-o", "route", "get", ip], capture_output=True,
-                             text=True, timeout=5, check=True).stdout
+        out = subprocess.run(
+            [ip_tool, "-o", "route", "get", ip], capture_output=True, text=True, timeout=5, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     match = re.search(r"\bdev\s+(\S+)", out)
@@ -207,8 +208,7 @@ def _nccl_error(where: str, first: str, last: str) -> RendezvousError:
     return RendezvousError(f"{where}: NCCL could not set up its communicator ({gist}): {last}")
 
 
-def init_distributed(env: DistEnv, backend: str = "auto",
-                     timeout_s: float = 300.0) -> tuple[torch.device, str]:
+def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 300.0) -> tuple[torch.device, str]:
     """Join the process group described by ``env``; returns (device, backend).
 
     Configures threads and malloc, picks the device and backend, fixes the gloo interface, then calls
@@ -226,8 +226,9 @@ def init_distributed(env: DistEnv, backend: str = "auto",
         try:  # fail fast: torch would retry an unresolvable name until the timeout
             socket.getaddrinfo(env.master_addr, env.master_port)
         except OSError as exc:
-            raise BootstrapError(f"MASTER_ADDR={env.master_addr!r} cannot be resolved "
-                                 f"({exc.strerror or exc})") from None
+            raise BootstrapError(
+                f"MASTER_ADDR={env.master_addr!r} cannot be resolved ({exc.strerror or exc})"
+            ) from None
     configure_threads(env, os.environ)
     hostmem.keep_freed_memory(os.environ)  # no page faults on every CPU step (see hostmem)
     device, backend = pick_device_and_backend(backend, env.local_rank, env.local_world_size)
@@ -235,20 +236,38 @@ def init_distributed(env: DistEnv, backend: str = "auto",
     timeout = timedelta(seconds=timeout_s)
     device_id = device if backend == "nccl" else None  # binds NCCL's communicator eagerly
     if not env.is_distributed:
-        dist.init_process_group(backend, store=dist.HashStore(),  # type: ignore[attr-defined]
-                                rank=0, world_size=1, timeout=timeout, device_id=device_id)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),  # type: ignore[attr-defined]
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device_id,
+        )
         return device, backend
     try:
         # tcp:// rather than our own TCPStore: torch then reuses torchrun's agent store when
         # TORCHELASTIC_USE_AGENT_STORE says so, instead of fighting it for the port.
         host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timeout,
-                                device_id=device_id)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
     except (RuntimeError, ValueError) as exc:  # DistError subclasses RuntimeError
         raise _rendezvous_error(env, timeout_s, exc) from exc
-    log.info("rank %d/%d joined %s process group at %s:%d on %s", env.rank, env.world_size,
-             backend, env.master_addr, env.master_port, device)
+    log.info(
+        "rank %d/%d joined %s process group at %s:%d on %s",
+        env.rank,
+        env.world_size,
+        backend,
+        env.master_addr,
+        env.master_port,
+        device,
+    )
     return device, backend
 
 

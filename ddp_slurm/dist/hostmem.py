@@ -13,6 +13,7 @@ This is what PyTorch's CPU performance guides get from preloading jemalloc or tc
 extra library. It applies to glibc on Linux only, and only when the user chose nothing: ``MALLOC_*``
 or ``GLIBC_TUNABLES`` settings, or a preloaded allocator, are left alone.
 """
+
 from __future__ import annotations
 
 import ctypes

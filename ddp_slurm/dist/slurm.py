@@ -1,4 +1,5 @@
 """Talking to Slurm from inside a job: requeue."""
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,11 @@ def requeue(job_ref: str, timeout_s: float = 60.0) -> bool:
         log.warning("scontrol requeue %s timed out after %.0f s; launch again to resume", job_ref, timeout_s)
         return False
     if res.returncode != 0:
-        log.warning("scontrol requeue %s failed: %s (is the job submitted with --requeue?); launch again to resume",
-                    job_ref, (res.stderr or res.stdout).strip())
+        log.warning(
+            "scontrol requeue %s failed: %s (is the job submitted with --requeue?); launch again to resume",
+            job_ref,
+            (res.stderr or res.stdout).strip(),
+        )
         return False
     log.info("requeued Slurm job %s; it restarts from the checkpoint", job_ref)
     return True

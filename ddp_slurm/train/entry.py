@@ -125,7 +125,7 @@ def _main(config_file: Path | None, overrides: list[str], stop: StopFlag | None,
 
 
 def _train(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
-    from ddp_slurm.dist import group, watchdog
+    from ddp_slurm.dist import group, stall, watchdog
     from ddp_slurm.tasks.mnist.data import DataError
     from ddp_slurm.train import checkpoint, logs, loop
     from ddp_slurm.train.rundir import RunDirError, RunLocked, UsageError
@@ -144,9 +144,9 @@ def _train(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
     try:
         with (
             group.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend),
-            watchdog.watch(env, ignore=expected + (UsageError,)),
-        ):  # names a lost rank if one vanishes
-            return loop.train(cfg, task_cls, env, device, backend, stop)
+            watchdog.watch(env, ignore=expected + (UsageError,), stall_s=stall.deadline_s(cfg.dist.timeout_s)) as dog,
+        ):  # names a lost or stuck rank before the backend's own timeout ends the job
+            return loop.train(cfg, task_cls, env, device, backend, stop, dog)
     except UsageError as exc:
         log.error("%s", exc)
         return EXIT_USAGE

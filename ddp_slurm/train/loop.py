@@ -16,13 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_slurm.config import Config
+from ddp_slurm.config import Config, ConfigError
 from ddp_slurm.dist import slurm
 from ddp_slurm.dist.env import DistEnv
 from ddp_slurm.dist.group import on_rank0
+from ddp_slurm.dist.watchdog import Watchdog
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
-from ddp_slurm.train import checkpoint, loader, logs, rundir, state, step
+from ddp_slurm.train import checkpoint, determinism, loader, logs, rundir, state, step
 from ddp_slurm.train.metrics import MetricsWriter
+from ddp_slurm.train.precision import check_precision
 from ddp_slurm.train.signals import StopFlag
 from ddp_slurm.train.task import Context, Task
 
@@ -77,11 +79,24 @@ def log_placement(env: DistEnv) -> None:
         log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
 
 
-def train(cfg: Config, task_cls: type[Task], env: DistEnv, device: torch.device, backend: str, stop: StopFlag) -> int:
-    """Take the run directory (rank 0), then train; returns the exit code."""
+def train(
+    cfg: Config,
+    task_cls: type[Task],
+    env: DistEnv,
+    device: torch.device,
+    backend: str,
+    stop: StopFlag,
+    dog: Watchdog | None = None,
+) -> int:
+    """Take the run directory (rank 0), then train; returns the exit code. ``dog`` hears of every step."""
     t0 = time.monotonic()
-    if cfg.train.precision == "bf16" and device.type != "cuda":
-        raise rundir.UsageError("train.precision=bf16 needs CUDA; use train.precision=fp32 on CPU")
+    try:
+        check_precision(cfg.train.precision, device)
+    except ConfigError as exc:
+        raise rundir.UsageError(str(exc)) from None
+    settings = determinism.apply(cfg.train.deterministic, device)  # before the first kernel runs
+    if settings and env.rank == 0:
+        log.info("train.deterministic: %s", ", ".join(settings))
     log_placement(env)
     if cfg.run.name is None:  # a new run: rank 0 names it, every rank of this launch uses that name
         cfg.run.name = rundir.job_name(cfg, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
@@ -100,7 +115,7 @@ def train(cfg: Config, task_cls: type[Task], env: DistEnv, device: torch.device,
     try:
         path = on_rank0(env, take_run_dir)  # only the path travels: each rank reads the file itself
         resumed = None if path is None else found["state"] if env.rank == 0 else checkpoint.load(path)
-        return _train(cfg, task_cls, env, device, backend, stop, resumed, t0)
+        return _train(cfg, task_cls, env, device, backend, stop, resumed, t0, dog)
     finally:
         lock.release()
 
@@ -114,6 +129,7 @@ def _train(
     stop: StopFlag,
     resumed: dict[str, Any] | None,
     t0: float,
+    dog: Watchdog | None,
 ) -> int:
     if resumed is not None and resumed["finished"]:
         name, value = task_cls.best_metric, resumed.get("best", resumed.get("best_accuracy"))
@@ -220,6 +236,8 @@ def _train(
     while not (requeue or terminate) and pos.step < total_steps:
         loss = train_step(next(epoch_batches))
         pos.advance()
+        if dog is not None:
+            dog.progress(pos.step)
         window.add(loss)
         end_of_epoch = pos.step_in_epoch == spe or pos.step == total_steps
         saving = end_of_epoch or bool(cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0)
