@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from ddp_slurm import slurm_time
 
 
 class ConfigError(ValueError):
@@ -104,8 +107,14 @@ class SlurmConfig:
     """Quality of service (null: the default)."""
     constraint: str | None = None
     """Node feature constraint (null: none)."""
-    time_min: int = 60
-    """Time limit in minutes."""
+    time: str = "01:00:00"
+    """Time limit in Slurm's syntax: ``MM``, ``HH:MM:SS``, ``D-HH:MM``, ... (``time_min=N`` still means N minutes)."""
+    mem: str | None = None
+    """Memory per node, as sbatch's ``--mem`` (``64G``; null: the cluster's default)."""
+    mem_per_gpu: str | None = None
+    """Memory per GPU, as sbatch's ``--mem-per-gpu`` (null: not asked for)."""
+    exclusive: bool = False
+    """Ask for whole nodes (sbatch's ``--exclusive``): no other job shares them."""
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP", "URG"] = "USR2"
     """Signal that means "checkpoint, requeue and stop" (Slurm's ``--signal``); SIGTERM always stops too."""
     signal_delay_s: int = 120
@@ -117,6 +126,12 @@ class SlurmConfig:
 
 
 @dataclass
+class LogConfig:
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``<run dir>/tensorboard`` (needs ``pip install ddp_slurm[tensorboard]``)."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -125,6 +140,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -152,7 +168,12 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.gpus_per_node": (lambda v: v >= 0, "an integer >= 0"),
     "slurm.tasks_per_node": (lambda v: v is None or v >= 1, "null or an integer >= 1"),
     "slurm.cpus_per_task": (lambda v: v >= 1, "an integer >= 1"),
-    "slurm.time_min": (lambda v: v >= 1, "an integer >= 1 (minutes)"),
+    "slurm.time": (slurm_time.is_valid, f"a Slurm time ({slurm_time.FORMATS})"),
+    "slurm.mem": (lambda v: v is None or bool(re.fullmatch(r"\d+[KMGT]?B?", v, re.I)), "null or a size like 64G"),
+    "slurm.mem_per_gpu": (
+        lambda v: v is None or bool(re.fullmatch(r"\d+[KMGT]?B?", v, re.I)),
+        "null or a size like 16G",
+    ),
     "slurm.signal_delay_s": (lambda v: v >= 0, "an integer >= 0 (seconds)"),
     "slurm.max_requeues": (lambda v: v >= 0, "an integer >= 0"),
 }
@@ -213,6 +234,10 @@ def _sections() -> dict[str, type]:
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
+    if key == "slurm.time_min":  # the old spelling (minutes): still read, run directories hold it
+        key = "slurm.time"
+    if key == "slurm.time" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `time: 90` in YAML: minutes, as sbatch reads a bare number
     sections = _sections()
     section, _, name = key.partition(".")
     all_keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
@@ -253,6 +278,35 @@ def _flatten(data: Any, where: str) -> dict[str, Any]:
     return flat
 
 
+def yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` without YAML 1.1's base-60 numbers: ``time: 1:30:00`` stays the text
+    Slurm reads instead of becoming the integer 5400."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in pairs if tag not in (int_tag, float_tag)]
+        for first, pairs in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        int_tag,
+        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+        list("-+0123456789"),
+    )
+    Loader.add_implicit_resolver(
+        float_tag,
+        re.compile(
+            r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+        ),
+        list("-+0123456789."),
+    )
+    return yaml.load(text, Loader=Loader)  # noqa: S506  (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)``; the value is read as a YAML scalar."""
     import yaml  # lazy: keeps `import ddp_slurm.config` cheap
@@ -262,7 +316,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key or "." not in key:
         raise ConfigError(f"bad override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.epochs=3")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         raise ConfigError(f"bad override {text!r}: the value is not a YAML scalar") from None
     if isinstance(value, (dict, list)):
@@ -293,7 +347,7 @@ def load(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Confi
         except OSError as exc:
             raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -328,9 +382,8 @@ def dump(cfg: Config, path: Path) -> None:
 
 def read_resolved(path: Path) -> Config:
     """Read a run directory's ``config.yaml`` back."""
-    import yaml
 
-    return from_dict(yaml.safe_load(path.read_text()) or {}, str(path))
+    return from_dict(yaml_load(path.read_text()) or {}, str(path))
 
 
 # Keys that may differ between the launches of one run: they change how it runs, not what it computes.
@@ -343,6 +396,7 @@ RESUMABLE_CHANGES = (
     "checkpoint.",
     "dist.",
     "slurm.",
+    "log.",
 )
 
 

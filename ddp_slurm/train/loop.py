@@ -7,7 +7,6 @@ job is already requeued); 3 the requeue cap was reached; 1 any other failure, re
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import random
@@ -30,6 +29,7 @@ from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE_CAP, EXIT_ST
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train import checkpoint, logs
 from ddp_slurm.train import step as engine
+from ddp_slurm.train.cli import parse_args
 from ddp_slurm.train.metrics import MetricsWriter
 from ddp_slurm.train.rundir import RunLock, RunLocked
 from ddp_slurm.train.signals import StopFlag, parse_signal
@@ -60,24 +60,6 @@ EXPECTED_ERRORS = (
     watchdog.PeerLost,
     RunDirError,
 )
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints its usage block before a bad flag's error; every rank of a big job would repeat it."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"ddp_slurm.train: error: {message} (see --help)\n")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _OneLineParser(
-        prog="python -m ddp_slurm.train",
-        description="Train one rank of a DDP run.",
-        epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3",
-    )
-    parser.add_argument("--config", type=Path, help="YAML job config (default: the bundled-sample defaults)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    return parser.parse_args(argv)
 
 
 def check_world(cfg: Config, env: DistEnv) -> None:
