@@ -43,15 +43,16 @@ def epoch_boundaries(run: Run) -> list[int]:
 
 
 def world_size_changes(run: Run) -> list[tuple[int, float, int, int]]:
-    """``(step, time_s, old, new)`` where a launch ran with another world size than the one before."""
-    changes, previous = [], None
-    for row in sorted(run.starts + run.train, key=lambda r: (r["step"], r.get("time_s", 0.0))):
-        ws = row.get("world_size")
-        if ws is None:
-            continue
-        if previous is not None and ws != previous:
-            changes.append((row["step"], row.get("time_s", 0.0), previous, ws))
-        previous = ws
+    """``(step, time_s, old, new)`` where a launch ran with another world size than the launch before
+    (each launch's size from its ``start`` line, else from its first ``train`` line)."""
+    sizes: list[tuple[int, float, int | None]] = []
+    for i, start in enumerate(run.starts, 1):
+        first = next((r for r in run.train if r.get("launch") == i), {})
+        sizes.append((start["step"], start.get("time_s", 0.0), start.get("world_size", first.get("world_size"))))
+    changes = []
+    for (_, _, old), (step, time_s, new) in zip(sizes, sizes[1:]):
+        if old is not None and new is not None and old != new:
+            changes.append((step, time_s, old, new))
     return changes
 
 
