@@ -122,7 +122,7 @@ def test_submit_time_in_hours_and_default(tmp_path: Path) -> None:
         (["--sbatch", "signal=USR1@60"], "slurm.signal"),
         (["--sbatch", "mail-type="], "no value after '='"),
         (["--sbatch", "=x"], "expected KEY=VALUE"),
-        (["--time", "1h"], "expected a Slurm time"),
+        (["--time", "1h"], "argument --time: '1h' is not a Slurm time"),
         (["--time", "UNLIMITED"], "give a finite --time"),
         (["--mem", "many"], "size like 64G"),
     ],

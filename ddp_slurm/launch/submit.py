@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ddp_slurm import slurm_time
 from ddp_slurm.config import ConfigError
 from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.launch import sweep
@@ -52,6 +53,14 @@ def _at_least(minimum: int):
     return parse
 
 
+def _slurm_time(text: str) -> str:
+    try:
+        slurm_time.minutes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -73,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--account")
     res.add_argument("--qos")
     res.add_argument("--constraint")
-    res.add_argument("--time", metavar="TIME", help="time limit in Slurm's syntax: MM, HH:MM:SS, D-HH:MM, ...")
+    res.add_argument(
+        "--time", type=_slurm_time, metavar="TIME", help="time limit in Slurm's syntax: MM, HH:MM:SS, D-HH:MM, ..."
+    )
     res.add_argument("--mem", metavar="SIZE", help="memory per node, e.g. 64G")
     res.add_argument("--mem-per-gpu", metavar="SIZE", help="memory per GPU, e.g. 16G")
     res.add_argument("--exclusive", action="store_const", const=True, help="whole nodes, shared with no other job")
