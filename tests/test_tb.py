@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import skip_or_fail
 
 from ddp_slurm import config
 from ddp_slurm.config import ConfigError
 from ddp_slurm.train import tb
 
-pytest.importorskip("tensorboard", reason="the optional tensorboard extra is not installed")
+
+@pytest.fixture(autouse=True)
+def _tensorboard_installed() -> None:
+    if importlib.util.find_spec("tensorboard") is None:  # the test extra installs it
+        skip_or_fail("tensorboard is not installed: pip install -e '.[test]'")
 
 
 def test_records_become_scalars_and_events(tmp_path: Path) -> None:
@@ -44,8 +50,6 @@ def test_require_names_the_extra_when_missing(monkeypatch: pytest.MonkeyPatch) -
     cfg = config.load(None, ["log.tensorboard=true"])
     tb.require(cfg)  # installed here: no error
     # Without the package (hidden from the import system, as on a plain install):
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'ddp_slurm\[tensorboard\]'"):
