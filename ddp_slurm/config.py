@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ddp_slurm import taskref
+from ddp_slurm import slurm_time, taskref
 
 
 class ConfigError(ValueError):
@@ -102,8 +103,14 @@ class SlurmConfig:
     """Quality of service (null: the default)."""
     constraint: str | None = None
     """Node feature constraint (null: none)."""
-    time_min: int = 60
-    """Time limit in minutes."""
+    time: str = "01:00:00"
+    """Time limit in Slurm's syntax: ``MM``, ``HH:MM:SS``, ``D-HH:MM``, ... (``time_min=N`` still means N minutes)."""
+    mem: str | None = None
+    """Memory per node, as sbatch's ``--mem`` (``64G``; null: the cluster's default)."""
+    mem_per_gpu: str | None = None
+    """Memory per GPU, as sbatch's ``--mem-per-gpu`` (null: not asked for)."""
+    exclusive: bool = False
+    """Ask for whole nodes (sbatch's ``--exclusive``): no other job shares them."""
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP", "URG"] = "USR2"
     """Signal that means "checkpoint, requeue and stop" (Slurm's ``--signal``); SIGTERM always stops too."""
     signal_delay_s: int = 120
@@ -114,8 +121,14 @@ class SlurmConfig:
     """Cap on requeues (``SLURM_RESTART_COUNT``); beyond it the job stops with a message instead of looping."""
 
 
-RUNTIME_SECTIONS = ("run", "train", "checkpoint", "dist", "slurm")
+RUNTIME_SECTIONS = ("run", "train", "checkpoint", "dist", "slurm", "log")
 """Sections every task shares; a task's own sections are the fields of its ``Config`` dataclass."""
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``<run dir>/tensorboard`` (needs ``pip install ddp_slurm[tensorboard]``)."""
 
 
 @dataclass
@@ -125,6 +138,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     task: str = taskref.DEFAULT
     """Which task trains: ``package.module:Name`` or ``path/to/file.py:Name`` (unset: built-in MNIST)."""
     task_config: Any = None
@@ -217,7 +231,12 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.gpus_per_node": (lambda v: v >= 0, "an integer >= 0"),
     "slurm.tasks_per_node": (lambda v: v is None or v >= 1, "null or an integer >= 1"),
     "slurm.cpus_per_task": (lambda v: v >= 1, "an integer >= 1"),
-    "slurm.time_min": (lambda v: v >= 1, "an integer >= 1 (minutes)"),
+    "slurm.time": (slurm_time.is_valid, f"a Slurm time ({slurm_time.FORMATS})"),
+    "slurm.mem": (lambda v: v is None or bool(re.fullmatch(r"\d+[KMGT]?B?", v, re.I)), "null or a size like 64G"),
+    "slurm.mem_per_gpu": (
+        lambda v: v is None or bool(re.fullmatch(r"\d+[KMGT]?B?", v, re.I)),
+        "null or a size like 16G",
+    ),
     "slurm.signal_delay_s": (lambda v: v >= 0, "an integer >= 0 (seconds)"),
     "slurm.max_requeues": (lambda v: v >= 0, "an integer >= 0"),
 }
@@ -285,6 +304,10 @@ def _all_keys(cfg: Config) -> list[str]:
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
+    if key == "slurm.time_min":  # the old spelling (minutes): still read, run directories hold it
+        key = "slurm.time"
+    if key == "slurm.time" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `time: 90` in YAML: minutes, as sbatch reads a bare number
     sections = cfg.sections()
     section, _, name = key.partition(".")
     if section not in sections:
@@ -326,6 +349,35 @@ def _split(data: Any, where: str) -> tuple[str | None, dict[str, Any]]:
     return task, flat
 
 
+def yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` without YAML 1.1's base-60 numbers: ``time: 1:30:00`` stays the text
+    Slurm reads instead of becoming the integer 5400."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in pairs if tag not in (int_tag, float_tag)]
+        for first, pairs in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        int_tag,
+        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+        list("-+0123456789"),
+    )
+    Loader.add_implicit_resolver(
+        float_tag,
+        re.compile(
+            r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+        ),
+        list("-+0123456789."),
+    )
+    return yaml.load(text, Loader=Loader)  # noqa: S506  (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)``; the value is read as a YAML scalar."""
     import yaml  # lazy: keeps `import ddp_slurm.config` cheap
@@ -337,7 +389,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key or "." not in key:
         raise ConfigError(f"bad override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.epochs=3")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         raise ConfigError(f"bad override {text!r}: the value is not a YAML scalar") from None
     if isinstance(value, (dict, list)):
@@ -380,7 +432,7 @@ def _read_yaml(path: Path) -> Any:
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
     try:
-        return yaml.safe_load(text)
+        return yaml_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -446,6 +498,7 @@ RESUMABLE_CHANGES = (
     "checkpoint.",
     "dist.",
     "slurm.",
+    "log.",
 )
 
 
@@ -467,3 +520,12 @@ def incompatible_changes(old: Config, new: Config) -> list[str]:
 
 def _flat(cfg: Config) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, body in cfg.to_dict().items() if s != "task" for k, v in body.items()}
+
+
+def check_world_size(cfg: Config, world: int, how: str = "") -> None:
+    """The global batch must split evenly over the ranks (train and submit both check it before any work)."""
+    g = cfg.train.global_batch_size
+    if g % world:
+        raise ConfigError(
+            f"train.global_batch_size={g} is not divisible by the world size {world}{how}: choose a multiple of {world}"
+        )

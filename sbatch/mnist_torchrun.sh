@@ -37,6 +37,9 @@
 #   Most clusters want a partition and an account: uncomment and fill in.
 ##SBATCH --partition=gpu
 ##SBATCH --account=my-project
+#   Memory per node (the cluster's default otherwise), and whole nodes for this job alone.
+##SBATCH --mem=64G
+##SBATCH --exclusive
 #
 # Which Python: the job inherits the environment you submitted from (sbatch copies it), so
 # activate the project's venv first, or load your site's modules here, or set
@@ -54,33 +57,38 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     echo "error: this is a Slurm batch script: submit it with \`sbatch $0 [KEY=VALUE ...]\` (or run it inside an salloc allocation)" >&2
     exit 2
 fi
+# Site modules the job needs, if your cluster uses them (before Python is looked up below):
+# module load python/3.11 cuda/12.4
+# source /path/to/venv/bin/activate
 PYTHON=$(command -v "${DDP_SLURM_PYTHON:-python}") || {
     echo "error: no '${DDP_SLURM_PYTHON:-python}' on PATH: activate the project's environment before sbatch, or set DDP_SLURM_PYTHON=/path/to/venv/bin/python" >&2
     exit 2
 }
-# sbatch runs a copy of this script from its spool directory, so the project is found from the
-# submit directory (or a parent of it) or, failing that, from wherever Python imports the package.
+# sbatch runs a copy of this script from its spool directory, so the files are found from the
+# submit directory (or a parent of it): a source checkout goes on PYTHONPATH, and jobs/mnist.yaml
+# (a checkout's, or the copy `ddp-slurm init DIR` made) is the config; failing that, the config
+# shipped with the installed package.
 PROJECT=""
+FOUND=""
 dir=${SLURM_SUBMIT_DIR:-$PWD}
-while [ -z "$PROJECT" ] && [ "$dir" != / ]; do
-    [ -f "$dir/ddp_slurm/train/loop.py" ] && [ -d "$dir/jobs" ] && PROJECT=$dir
+while [ "$dir" != / ]; do
+    [ -z "$PROJECT" ] && [ -f "$dir/ddp_slurm/__init__.py" ] && PROJECT=$dir
+    [ -z "$FOUND" ] && [ -f "$dir/jobs/mnist.yaml" ] && FOUND=$dir/jobs/mnist.yaml
     dir=$(dirname "$dir")
 done
 if [ -n "$PROJECT" ]; then
     export PYTHONPATH="$PROJECT${PYTHONPATH:+:$PYTHONPATH}"
-else
-    PROJECT=$("$PYTHON" -c 'import ddp_slurm, pathlib; print(pathlib.Path(ddp_slurm.__file__).resolve().parents[1])' 2>/dev/null)
 fi
 if ! "$PYTHON" -c 'import ddp_slurm' 2>/dev/null; then
     echo "error: $PYTHON cannot import ddp_slurm: activate the environment it is installed in before sbatch, set DDP_SLURM_PYTHON, or submit from the project directory" >&2
     exit 2
 fi
-CONFIG=${PROJECT:+$PROJECT/jobs/mnist.yaml}
+CONFIG=${FOUND:-$("$PYTHON" -c 'from ddp_slurm.launch.init import asset; print(asset("jobs/mnist.yaml"))' 2>/dev/null)}
 if [ "${1:-}" = --config ]; then
     CONFIG=$2
     shift 2
 elif [ ! -f "$CONFIG" ]; then
-    echo "error: cannot find the project's jobs/mnist.yaml: submit from the project directory or pass --config FILE" >&2
+    echo "error: cannot find jobs/mnist.yaml: submit from the project directory (or one made by \`ddp-slurm init DIR\`), or pass --config FILE" >&2
     exit 2
 fi
 

@@ -77,6 +77,22 @@ def test_loader_smoke(tmp_path: Path) -> None:
     assert "seed-style" in text and "ddp_slurm" in text and f"{p['ratio']:.1f}x" in text
 
 
+def test_loader_dataset_path_smoke(tmp_path: Path) -> None:
+    """``--dataset-path``: a third pipeline, the runtime's Dataset path with 2 workers, side by side."""
+    args = ["--model", "mlp", "--batch", "32", "--samples", "96", "--rounds", "2", "--warmup", "1", "--device", "cpu"]
+    p, text = bench(tmp_path, "loader", *args, "--dataset-path", "--dataset-workers", "2")
+    for key in ("seed_samples_per_s", "ddp_slurm_samples_per_s", "dataset_samples_per_s"):
+        assert len(p[key]["values"]) == 2 and all(positive(v) for v in p[key]["values"]), p[key]
+    assert p["params"]["dataset_workers"] == 2
+    assert p["dataset_vs_seed"] == pytest.approx(
+        p["dataset_samples_per_s"]["median"] / p["seed_samples_per_s"]["median"]
+    )
+    assert p["dataset_vs_memory"] == pytest.approx(
+        p["dataset_samples_per_s"]["median"] / p["ddp_slurm_samples_per_s"]["median"]
+    )
+    assert "(c) ddp_slurm Dataset path" in text and f"(c)/(a): {p['dataset_vs_seed']:.1f}x" in text
+
+
 def test_limit_smoke(tmp_path: Path) -> None:
     p, text = bench(
         tmp_path,

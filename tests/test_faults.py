@@ -633,7 +633,7 @@ BAD_INPUTS: dict[str, Bad] = {
         ("--dry-run", "--nodes", "0"), ("--nodes", "expected an integer >= 1"), module="ddp_slurm.submit"
     ),
     "submit-time-not-a-number": Bad(
-        ("--dry-run", "--time", "abc"), ("--time", "expected an integer"), module="ddp_slurm.submit"
+        ("--dry-run", "--time", "abc"), ("--time", "is not a Slurm time"), module="ddp_slurm.submit"
     ),
     "submit-zero-cpus": Bad(
         ("--dry-run", "--cpus-per-task", "0"), ("--cpus-per-task", ">= 1"), module="ddp_slurm.submit"

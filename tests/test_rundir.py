@@ -8,30 +8,30 @@ from pathlib import Path
 import pytest
 
 from ddp_slurm import config
-from ddp_slurm.train import rundir
+from ddp_slurm.train import rundir, runname
 
 NOON = time.mktime((2026, 12, 3, 12, 0, 0, 0, 0, -1))
 
 
 def test_a_new_run_is_named_for_its_task_and_time_and_never_reuses_a_directory(tmp_path: Path) -> None:
     cfg = config.load(None, [f"run.output_root={tmp_path}"])
-    first = rundir.new_name(cfg, NOON)
+    first = runname.new_name(cfg, NOON)
     assert first == "mnist-20261203-120000"
     (tmp_path / first).mkdir()
-    assert rundir.new_name(cfg, NOON) == "mnist-20261203-120000-2"  # two launches in one second
+    assert runname.new_name(cfg, NOON) == "mnist-20261203-120000-2"  # two launches in one second
 
 
 def test_inside_slurm_the_job_names_the_run_so_a_requeue_continues_it() -> None:
     cfg = config.load(None, [])
-    assert rundir.job_name(cfg, "4242") == "mnist-4242"
-    assert rundir.job_name(cfg, "77_3") == "mnist-77_3"  # an array task
-    assert rundir.job_name(cfg, None) is None
+    assert runname.job_name(cfg, "4242") == "mnist-4242"
+    assert runname.job_name(cfg, "77_3") == "mnist-77_3"  # an array task
+    assert runname.job_name(cfg, None) is None
 
 
 def test_a_user_task_names_its_runs(tmp_path: Path) -> None:
     cfg = config.load(None, ["task=ddp_slurm.tasks.mnist:MNIST"])
     cfg.task = "my_project.tasks:Digits"  # the name only: nothing is imported here
-    assert rundir.base_name(cfg) == "digits"
+    assert runname.base_name(cfg) == "digits"
 
 
 @pytest.mark.parametrize("first, second", [("train.epochs=1", "train.epochs=2")])

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import signal
 import sys
 from pathlib import Path
 
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
-from ddp_slurm.bench import common, ddp, limit, loader, startup, tta
 from ddp_slurm.exitcodes import EXIT_USAGE
 
+# Benchmark modules import torch: only the chosen one is imported, so `--help` answers at once.
 COMMANDS = {
-    "loader": (loader, "ddp_slurm's step vs the seed-style torchvision/DataLoader pipeline: samples/s and ratio"),
-    "limit": (limit, "the training step's fraction of this machine's measured matmul FLOP/s"),
-    "ddp": (ddp, "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs communication"),
-    "startup": (startup, "seconds to the first optimizer step of ddp_slurm.train vs `import torch`"),
-    "tta": (tta, "seconds to a target test accuracy on the sample, over seeds"),
+    "loader": "ddp_slurm's step vs the seed-style torchvision/DataLoader pipeline: samples/s and ratio",
+    "limit": "the training step's fraction of this machine's measured matmul FLOP/s",
+    "ddp": "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs communication",
+    "startup": "seconds to the first optimizer step of ddp_slurm.train vs `import torch`",
+    "tta": "seconds to a target test accuracy on the sample, over seeds",
 }
 
 
@@ -26,7 +27,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m ddp_slurm.bench", description=PACKAGE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
-    for name, (module, help_text) in COMMANDS.items():
+    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    for name, help_text in COMMANDS.items():
+        if name != chosen:
+            sub.add_parser(name, help=help_text)
+            continue
+        module = importlib.import_module(f"ddp_slurm.bench.{name}")
         p = sub.add_parser(
             name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
         )
@@ -49,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     # a benchmark started are stopped by its ``finally`` blocks instead of being left behind.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
-    module = COMMANDS[args.command][0]
+    from ddp_slurm.bench import common
+
+    module = importlib.import_module(f"ddp_slurm.bench.{args.command}")
     try:
         if args.threads is not None and args.threads < 1:
             raise common.BenchError(f"--threads {args.threads}: expected an integer >= 1")

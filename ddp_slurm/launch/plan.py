@@ -14,16 +14,18 @@ import io
 import json
 import os
 import random
+import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm import config
-from ddp_slurm.config import Config, ConfigError
+from ddp_slurm import config, slurm_time
+from ddp_slurm.config import Config
 from ddp_slurm.dist.env import PORT_BASE, PORT_SPAN
 from ddp_slurm.launch import sweep
 from ddp_slurm.launch.job import TrainJob
+from ddp_slurm.train import runname
 
 # Options that are config keys: flag attribute -> dotted key.
 FLAG_KEYS = {
@@ -35,7 +37,10 @@ FLAG_KEYS = {
     "account": "slurm.account",
     "qos": "slurm.qos",
     "constraint": "slurm.constraint",
-    "time": "slurm.time_min",
+    "time": "slurm.time",
+    "mem": "slurm.mem",
+    "mem_per_gpu": "slurm.mem_per_gpu",
+    "exclusive": "slurm.exclusive",
     "signal_delay": "slurm.signal_delay_s",
     "name": "run.name",
 }
@@ -62,6 +67,8 @@ class Plan:
     runs: list[Run]
     root: Path  # the run directory, or the sweep's directory
     sweep: bool
+    sbatch: dict[str, Any] = field(default_factory=dict)  # --sbatch KEY=VALUE: more sbatch options
+    setup: list[str] = field(default_factory=list)  # --setup LINE: shell lines before srun
 
     @property
     def folder(self) -> Path:
@@ -79,6 +86,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         _quoted(k, getattr(args, a)) for a, k in FLAG_KEYS.items() if getattr(args, a) is not None
     ]
     cfg = config.load(cfg_path, base)
+    if cfg.run.name is None:  # named now: every requeue and resubmission of the job finds it again
+        base.append(_quoted("run.name", runname.new_name(cfg)))
+        cfg = config.load(cfg_path, base)
     tasks = cfg.slurm.tasks_per_node or cfg.slurm.gpus_per_node or 1
     if args.cluster != "slurm" and cfg.slurm.nodes > 1:
         raise UsageError(
@@ -115,12 +125,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     world = cfg.slurm.nodes * tasks
     for run in runs:
         run_cfg = config.load(cfg_path, run.argv[len(head) :])
-        g = run_cfg.train.global_batch_size
-        if g % world:
-            raise ConfigError(
-                f"train.global_batch_size={g} is not divisible by the world size {world} "
-                f"({cfg.slurm.nodes} node(s) x {tasks} task(s)): choose a multiple of {world}"
-            )
+        config.check_world_size(run_cfg, world, f" ({cfg.slurm.nodes} node(s) x {tasks} task(s))")
         saved = run.run_dir / "config.yaml"
         if saved.exists():
             diffs = config.incompatible_changes(config.read_resolved(saved), run_cfg)
@@ -129,7 +134,54 @@ def make_plan(args: argparse.Namespace) -> Plan:
                     f"run directory {run.run_dir} holds a run with another config ({'; '.join(diffs)}): "
                     "submit with the same settings to resume it, or choose another --name"
                 )
-    return Plan(cfg, tasks, runs, root, bool(args.sweep))
+    if slurm_time.minutes(cfg.slurm.time) is None:
+        raise UsageError(
+            f"slurm.time={cfg.slurm.time} has no end, so Slurm never sends the stop signal before it: "
+            "give a finite --time (e.g. 2-00:00:00)"
+        )
+    extra = parse_sbatch_options(getattr(args, "sbatch", None) or [])
+    return Plan(cfg, tasks, runs, root, bool(args.sweep), extra, list(getattr(args, "setup", None) or []))
+
+
+# sbatch options that submit sets itself from the config: --sbatch may not say them a second time.
+OWN_OPTIONS = {
+    "nodes": "--nodes",
+    "ntasks_per_node": "--ntasks-per-node",
+    "cpus_per_task": "--cpus-per-task",
+    "gpus_per_node": "--gpus-per-node",
+    "time": "--time",
+    "partition": "--partition",
+    "account": "--account",
+    "qos": "--qos",
+    "constraint": "--constraint",
+    "mem": "--mem",
+    "mem_per_gpu": "--mem-per-gpu",
+    "exclusive": "--exclusive",
+    "signal": "slurm.signal and --signal-delay",
+    "requeue": "slurm.requeue",
+    "no_requeue": "slurm.requeue",
+    "job_name": "--name",
+    "output": "the run directory's submitit/ folder",
+    "error": "the run directory's submitit/ folder",
+    "array": "--sweep",
+}
+
+
+def parse_sbatch_options(items: list[str]) -> dict[str, Any]:
+    """``["gres=gpu:a100:4", "--mail-type=END", "hint=nomultithread"]`` -> submitit's
+    ``additional_parameters`` (underscored keys; a bare ``KEY`` is a flag). Raises UsageError."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.strip().lstrip("-").partition("=")
+        name = key.strip().replace("-", "_")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise UsageError(f"--sbatch {item!r}: expected KEY=VALUE with an sbatch long option, e.g. mail-type=END")
+        if name in OWN_OPTIONS:
+            raise UsageError(f"--sbatch {item!r}: submit sets --{key.strip()} itself; use {OWN_OPTIONS[name]} instead")
+        if sep and not value:
+            raise UsageError(f"--sbatch {item!r}: no value after '='; write {key}=VALUE, or {key} for a flag")
+        out[name] = value if sep else True
+    return out
 
 
 def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -137,7 +189,7 @@ def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     s = plan.cfg.slurm
     generic = {
         "name": plan.cfg.run.name,
-        "timeout_min": s.time_min,
+        "timeout_min": slurm_time.minutes(s.time),
         "nodes": s.nodes,
         "tasks_per_node": plan.tasks_per_node,
         "cpus_per_task": s.cpus_per_task,
@@ -146,12 +198,16 @@ def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     }  # one log per rank
     # The signal is named explicitly (submitit would write its own USR_SIG); requeue is what lets
     # `scontrol requeue` and a preempting Slurm put the job back in the queue.
-    extra = {"signal": f"{s.signal}@{s.signal_delay_s}", "requeue" if s.requeue else "no_requeue": True}
+    extra = {**plan.sbatch, "signal": f"{s.signal}@{s.signal_delay_s}", "requeue" if s.requeue else "no_requeue": True}
     specific = {
         "partition": s.partition,
         "account": s.account,
         "qos": s.qos,
         "constraint": s.constraint,
+        "mem": s.mem,
+        "mem_per_gpu": s.mem_per_gpu,
+        "exclusive": True if s.exclusive else None,
+        "setup": plan.setup or None,
         "signal_delay_s": s.signal_delay_s,
         "additional_parameters": extra,
     }

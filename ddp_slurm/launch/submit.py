@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ddp_slurm import slurm_time
 from ddp_slurm.config import ConfigError
 from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.launch import sweep
@@ -52,6 +53,14 @@ def _at_least(minimum: int):
     return parse
 
 
+def _slurm_time(text: str) -> str:
+    try:
+        slurm_time.minutes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -59,22 +68,45 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Defaults come from the config's slurm section; KEY=VALUE overrides are dotted config keys.",
     )
     res = p.add_argument_group("resources (default: the config's slurm section)")
-    res.add_argument("--nodes", type=_at_least(1), metavar="N")
+    res.add_argument("-N", "--nodes", type=_at_least(1), metavar="N")
     res.add_argument("--gpus-per-node", type=_at_least(0), metavar="N")
     res.add_argument(
-        "--tasks-per-node", type=_at_least(1), metavar="N", help="ranks per node (default: one per GPU, 1 without)"
+        "--tasks-per-node",
+        "--ntasks-per-node",
+        type=_at_least(1),
+        metavar="N",
+        help="ranks per node (default: one per GPU, 1 without)",
     )
     res.add_argument("--cpus-per-task", type=_at_least(1), metavar="N")
     res.add_argument("--partition")
     res.add_argument("--account")
     res.add_argument("--qos")
     res.add_argument("--constraint")
-    res.add_argument("--time", type=_at_least(1), metavar="MIN", help="time limit in minutes")
+    res.add_argument(
+        "--time", type=_slurm_time, metavar="TIME", help="time limit in Slurm's syntax: MM, HH:MM:SS, D-HH:MM, ..."
+    )
+    res.add_argument("--mem", metavar="SIZE", help="memory per node, e.g. 64G")
+    res.add_argument("--mem-per-gpu", metavar="SIZE", help="memory per GPU, e.g. 16G")
+    res.add_argument("--exclusive", action="store_const", const=True, help="whole nodes, shared with no other job")
     res.add_argument(
         "--signal-delay",
         type=_at_least(0),
         metavar="S",
         help="seconds before the time limit at which Slurm sends the stop signal",
+    )
+    res.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sbatch option, e.g. --sbatch mail-type=END (repeat; a bare KEY is a flag)",
+    )
+    res.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="a shell line the job runs before srun, e.g. --setup 'module load cuda/12.4' (repeat)",
     )
     p.add_argument("--config", type=Path, help="YAML job config (default: the built-in sample defaults)")
     p.add_argument("--name", help="run name (run.name); for --sweep the sweep's directory name")

@@ -99,9 +99,42 @@ def _stopped(exc) -> bool:
     return EXIT_STOPPED in codes and all(code in (EXIT_STOPPED, -signal.SIGTERM) for code in codes)
 
 
+HELP = """\
+usage: python -m ddp_slurm.launch [torchrun options] -m ddp_slurm.train [--config FILE] [KEY=VALUE ...]
+
+torchrun, with what a Slurm job needs added (every torchrun option works unchanged):
+  * SIGUSR1/SIGUSR2 (Slurm's --signal=USR2@N, scancel --signal=USR2) no longer kill the torchrun agent:
+    it stays up and passes the signal on to its workers, which checkpoint and stop at the same step;
+  * exit status 75 when every worker of the node stopped after a checkpoint ("launch again to
+    resume"), instead of torchrun's failure report and exit 1;
+  * on SIGTERM (a requeue, a preemption, scancel): torchrun passes it on and waits --shutdown-timeout
+    seconds as usual, then this exits 128+signal with one line instead of a traceback.
+
+Use it wherever you would write `torchrun`, e.g. in an sbatch script:
+  srun --ntasks-per-node=1 python -m ddp_slurm.launch --nnodes=$SLURM_JOB_NUM_NODES --nproc-per-node=4 \\
+      --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 --rdzv-id=$SLURM_JOB_ID -m ddp_slurm.train ...
+
+torchrun's own options: `torchrun --help` (or `python -m torch.distributed.run --help`).
+"""
+
+
+def wants_help(argv: list[str]) -> bool:
+    """``-h``/``--help`` among the launcher's options (before the training module or script)."""
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            return True
+        if arg in ("-m", "--module") or arg.endswith(".py"):
+            return False
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default: the command line); returns the exit status."""
     SignalForwarder().install()  # first: until this line SIGUSR2 would kill the agent
+    args = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(args):  # our own help, without importing torch (torchrun's would take seconds)
+        sys.stdout.write(HELP)
+        return 0
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s launch [{socket.gethostname()}]: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
@@ -131,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + sig
         return 0
 
-    return launch(torchrun.parse_args(sys.argv[1:] if argv is None else argv))
+    return launch(torchrun.parse_args(args))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
-"""``python -m ddp_slurm.report RUN_DIR``: plots of a run to ``RUN_DIR/report.png`` and a short summary.
+"""``python -m ddp_slurm.report RUN_DIR [RUN_DIR ...]``: plots to ``report.png`` and a short summary.
+
+One run directory: its loss, accuracy, throughput and learning rate in detail (``RUN_DIR/report.png``).
+Several, a sweep directory or a folder of runs: overlaid in one figure. For runs that ran as Slurm
+jobs, one line per job from ``seff`` or ``sacct`` where the cluster keeps accounting.
 
 Reads ``metrics.jsonl`` (see :mod:`ddp_slurm.metrics`) of a finished run, a stopped one or one that
 is still being written (a half-written last line is skipped). Each launch writes a ``start`` line at
 the step it resumed from; steps after that point logged by an earlier launch were redone, so they
 are dropped and the later launch's values kept. Restarts and stop signals are marked on the plots.
-matplotlib (Agg, no display needed) is imported only when plotting.
+The figures are drawn by :mod:`ddp_slurm.tools.figures`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -19,6 +24,8 @@ from typing import Any
 
 from ddp_slurm import config
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
+from ddp_slurm.launch import sweep
+from ddp_slurm.tools import figures, jobacct
 from ddp_slurm.train import metrics
 
 
@@ -113,95 +120,66 @@ def summary(run: Run) -> str:
     return "\n".join(lines)
 
 
-def plot(run: Run, out: Path) -> Path:
-    """Three panels: training loss and test accuracy against samples seen, throughput against time."""
-    # The object API with an Agg canvas: no display needed (login nodes), no global pyplot state.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
-
-    fig = Figure(figsize=(10, 10), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax_loss, ax_acc, ax_rate = fig.subplots(3, 1)
-    ax_acc.sharex(ax_loss)  # loss and accuracy line up sample for sample
-    thousands = FuncFormatter(lambda x, _: f"{x:,.0f}")
-    x_label = "samples seen" if run.batch_size else "steps"
-    xs = [run.samples(r["step"]) for r in run.train]
-    ax_loss.plot(xs, [r["loss"] for r in run.train], color="tab:blue", label="training loss")
-    test_loss = [(run.samples(r["step"]), r["loss"]) for r in run.evals if "loss" in r]
-    if test_loss:
-        ax_loss.plot(*zip(*test_loss), "o--", color="tab:orange", label="test loss")
-    if run.train and min(r["loss"] for r in run.train) > 0:
-        ax_loss.set_yscale("log")
-        ax_loss.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))  # 0.3, not 3x10^-1
-        ax_loss.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if f"{y:e}"[0] in "235" else ""))
-    ax_loss.set(title="loss", xlabel=x_label, ylabel="loss")
-    ax_acc.plot(
-        [run.samples(r["step"]) for r in run.evals],
-        [100 * r["accuracy"] for r in run.evals],
-        "o-",
-        color="tab:green",
-        label="test accuracy",
-    )
-    ax_acc.set(title="test accuracy", xlabel=x_label, ylabel="accuracy (%)")
-    for launch in sorted({r["launch"] for r in run.train}):  # one line per launch: no line across a restart
-        rows = [r for r in run.train if r["launch"] == launch]
-        ax_rate.plot(
-            [r["time_s"] for r in rows],
-            [r.get("samples_per_s") or 0 for r in rows],
-            ".-",
-            color="tab:purple",
-            label="samples/s (all ranks)" if launch == run.train[0]["launch"] else None,
-        )
-    ax_rate.set(title="throughput", xlabel="training time (s)", ylabel="samples/s")
-    ax_rate.yaxis.set_major_formatter(thousands)
-    ax_rate.set_ylim(bottom=0)
-    _mark_launches(run, ax_loss, ax_acc, ax_rate)
-    for ax in (ax_loss, ax_acc, ax_rate):
-        ax.xaxis.set_major_formatter(thousands)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
-    fig.suptitle(f"{run.run_dir.name}: {summary(run).splitlines()[0].split(': ', 1)[1]}")
-    tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, out)  # a reader (or a browser refreshing it) never sees half a file
-    return out
+def expand(paths: list[Path]) -> list[Path]:
+    """Run directories to report on: each path is a run directory (has metrics.jsonl), a sweep
+    directory (its runs, in sweep.json's order) or a folder of run directories (each that has started)."""
+    runs: list[Path] = []
+    for path in paths:
+        if (path / "metrics.jsonl").is_file():
+            runs.append(path)
+            continue
+        manifest = path / sweep.SWEEP_FILE
+        if manifest.is_file():
+            names = [r["name"] for r in json.loads(manifest.read_text())["runs"]]
+            found = [path / n for n in names if (path / n / "metrics.jsonl").is_file()]
+        else:
+            found = sorted(d for d in path.glob("*/") if (d / "metrics.jsonl").is_file()) if path.is_dir() else []
+        if not found:
+            raise ReportError(
+                f"{path / 'metrics.jsonl'} does not exist: pass a run directory (runs/<run.name>) that has "
+                "started training, a sweep directory or a folder of run directories"
+            )
+        runs.extend(found)
+    return runs
 
 
-def _mark_launches(run: Run, *axes: Any) -> None:
-    """Vertical lines where a launch resumed (red: after a Slurm requeue) and where a stop signal came."""
-    ax_loss, ax_acc, ax_rate = axes
-    labelled: set[str] = set()
-    for i, start in enumerate(run.starts[1:], 1):
-        requeued = start.get("restart_count", 0) > run.starts[i - 1].get("restart_count", 0)
-        color, name = ("tab:red", "restart (Slurm requeue)") if requeued else ("tab:gray", "restart (resume)")
-        label = None if name in labelled else name
-        labelled.add(name)
-        for ax in (ax_loss, ax_acc):
-            ax.axvline(run.samples(start["step"]), color=color, linestyle="--", linewidth=1, label=label)
-        ax_rate.axvline(start["time_s"], color=color, linestyle="--", linewidth=1, label=label)
-    for i, stop in enumerate(run.stops):
-        label = "stop signal" if i == 0 else None
-        for ax in (ax_loss, ax_acc):
-            ax.axvline(run.samples(stop["step"]), color="black", linestyle=":", linewidth=1, label=label)
-        ax_rate.axvline(stop["time_s"], color="black", linestyle=":", linewidth=1, label=label)
+def default_output(paths: list[Path], run_dirs: list[Path]) -> Path:
+    """RUN_DIR/report.png for one run; the sweep's (or folder's) report.png; else the runs' common parent's."""
+    if len(run_dirs) == 1:
+        return run_dirs[0] / "report.png"
+    if len(paths) == 1:
+        return paths[0] / "report.png"
+    return Path(os.path.commonpath([str(d.resolve().parent) for d in run_dirs])) / "report.png"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddp_slurm.report",
-        description="Plot a run's loss, accuracy and throughput to RUN_DIR/report.png.",
+        description="Plot runs' loss, accuracy, throughput and learning rate to report.png, with a summary; "
+        "several run directories (or a sweep directory) are overlaid in one figure.",
     )
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    parser.add_argument("--output", type=Path, help="where to write the PNG (default: RUN_DIR/report.png)")
+    parser.add_argument("paths", type=Path, nargs="+", metavar="RUN_DIR", help="run, sweep or folder of runs")
+    parser.add_argument("--output", type=Path, help="where to write the PNG (default: report.png in the directory)")
+    parser.add_argument("--no-accounting", action="store_true", help="do not ask seff/sacct about the Slurm jobs")
     args = parser.parse_args(argv)
     try:
-        run = load(args.run_dir)
+        run_dirs = expand(args.paths)
+        runs = [load(d) for d in run_dirs]
     except ReportError as exc:
         print(f"ddp_slurm.report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    out = plot(run, args.output or args.run_dir / "report.png")
-    print(f"{summary(run)}\nplots: {out}")
+    out = args.output or default_output(args.paths, run_dirs)
+    lines = [summary(run) for run in runs]
+    if not args.no_accounting:
+        lines += [jobacct.describe(j) for run in runs for j in jobacct.job_ids(run.run_dir, run.starts)]
+    if len(runs) == 1:
+        figures.plot_run(runs[0], out, f"{runs[0].run_dir.name}: {lines[0].splitlines()[0].split(': ', 1)[1]}")
+    else:
+        names = [str(os.path.relpath(d, out.parent)) if len(args.paths) == 1 else str(d) for d in run_dirs]
+        figures.plot_overlay(
+            runs, names, out, f"{len(runs)} runs" + (f" of {args.paths[0]}" if len(args.paths) == 1 else "")
+        )
+    print("\n".join(lines) + f"\nplots: {out}")
     return EXIT_OK
 
 

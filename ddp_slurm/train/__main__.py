@@ -1,5 +1,7 @@
-"""``python -m ddp_slurm.train``: one rank of a run (see ``ddp_slurm.train.entry``)."""
+"""``python -m ddp_slurm.train``: one rank of a run (see ``ddp_slurm.train.cli`` and ``ddp_slurm.train.loop``)."""
 
-from ddp_slurm.train.entry import exit_now, main
+import sys
 
-exit_now(main())
+from ddp_slurm.train.cli import main
+
+sys.exit(main())

@@ -8,7 +8,6 @@ the log.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -20,37 +19,11 @@ from ddp_slurm import config
 from ddp_slurm.config import Config, ConfigError
 from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError
 from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_USAGE
+from ddp_slurm.train import tb
+from ddp_slurm.train.cli import parse_args
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
 log = logging.getLogger("ddp_slurm")
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints its usage block before a bad flag's error; every rank of a big job would repeat it."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"ddp_slurm.train: error: {message} (see --help)\n")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _OneLineParser(
-        prog="python -m ddp_slurm.train",
-        description="Train one rank of a DDP run (or all of a 1-rank one).",
-        epilog="KEY=VALUE overrides are dotted config keys, e.g. train.epochs=3; task=package.module:Name "
-        "trains your own task (docs/tasks.md)",
-    )
-    parser.add_argument("--config", type=Path, help="YAML job config (default: the bundled-sample defaults)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    return parser.parse_args(argv)
-
-
-def check_world(cfg: Config, env: DistEnv) -> None:
-    """Config errors that depend on the world size, found before anything starts (shared with submit)."""
-    g, ws = cfg.train.global_batch_size, env.world_size
-    if g % ws:
-        raise ConfigError(
-            f"train.global_batch_size={g} is not divisible by the world size {ws}: choose a multiple of {ws}"
-        )
 
 
 def check_task(cfg: Config, env: DistEnv, cls: type | None = None) -> type:
@@ -105,7 +78,8 @@ def _main(config_file: Path | None, overrides: list[str], stop: StopFlag | None,
     try:
         cfg = config.load(config_file, overrides, task=task)
         env = DistEnv.from_environ(os.environ)
-        check_world(cfg, env)
+        config.check_world_size(cfg, env.world_size)
+        tb.require(cfg)
         task_cls = check_task(cfg, env, task)
         if stop is None:
             stop = StopFlag(parse_signal(cfg.slurm.signal))

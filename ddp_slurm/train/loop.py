@@ -8,6 +8,7 @@ evaluation are in ``step.py``; what a checkpoint holds is in ``state.py``; the b
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -17,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm.config import Config, ConfigError
-from ddp_slurm.dist import slurm
+from ddp_slurm.dist import allocation, slurm
 from ddp_slurm.dist.env import DistEnv
 from ddp_slurm.dist.group import on_rank0
 from ddp_slurm.dist.watchdog import Watchdog
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
-from ddp_slurm.train import checkpoint, determinism, loader, logs, rundir, state, step
+from ddp_slurm.train import checkpoint, determinism, loader, logs, rundir, runname, state, step, tb
 from ddp_slurm.train.metrics import MetricsWriter
 from ddp_slurm.train.precision import check_precision
 from ddp_slurm.train.signals import StopFlag
@@ -56,27 +57,42 @@ class LossWindow:
         self.sum += loss
         self.n += 1
 
-    def close(self, step: int) -> tuple[float, float]:
-        """The window's mean loss over ranks and samples/s; starts the next window."""
+    def close(self, step: int) -> dict[str, float]:
+        """The window's figures for metrics.jsonl: loss (mean over steps and ranks), samples/s, mean step
+        time, and how far apart the ranks' step times were ((slowest - fastest) / mean); starts the next
+        window."""
+        now = time.monotonic()
+        steps = max(step - self.first_step, 1)
         mean = self.sum / max(self.n, 1)
+        own = torch.tensor([(now - self.started) / steps] * 2, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(mean)
             mean /= self.world_size
-        now = time.monotonic()
-        self.loss, self.rate = mean.item(), (step - self.first_step) * self.global_batch / (now - self.started)
+            times = torch.cat([own[:1], -own[1:]]).to(mean.device)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest and (negated) fastest rank
+            own = times.cpu() * torch.tensor([1.0, -1.0], dtype=torch.float64)
+        slowest, fastest = own.tolist()
+        self.loss, self.rate = mean.item(), steps * self.global_batch / (now - self.started)
         self.sum.zero_()
         self.n, self.started, self.first_step = 0, now, step
-        return self.loss, self.rate
+        return {
+            "loss": self.loss,
+            "samples_per_s": self.rate,
+            "step_time_s": (slowest + fastest) / 2,
+            "step_time_spread": (slowest - fastest) / max((slowest + fastest) / 2, 1e-12),
+        }
 
 
-def log_placement(env: DistEnv) -> None:
-    """Rank 0 logs once which host each rank runs on: the first thing to check when a job misbehaves."""
+def log_placement(env: DistEnv) -> list[str]:
+    """Rank 0 logs once which host each rank runs on: the first thing to check when a job misbehaves.
+    Returns every rank's host, in rank order."""
     host = socket.gethostname()
     hosts = [host] * env.world_size
     if env.world_size > 1:
         dist.all_gather_object(hosts, host)
     if env.rank == 0:
         log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
+    return hosts
 
 
 def train(
@@ -97,10 +113,17 @@ def train(
     settings = determinism.apply(cfg.train.deterministic, device)  # before the first kernel runs
     if settings and env.rank == 0:
         log.info("train.deterministic: %s", ", ".join(settings))
-    log_placement(env)
+    hosts = log_placement(env)
+    try:  # slurm.* keys the allocation ignores (warnings), a --signal training would not catch (exit 2)
+        warnings = on_rank0(env, lambda: allocation.check_current(cfg, os.environ))  # rank 0 asks scontrol once
+    except ConfigError as exc:
+        raise rundir.UsageError(str(exc)) from None
+    if env.rank == 0:
+        for line in warnings:
+            log.warning("%s", line)
     if cfg.run.name is None:  # a new run: rank 0 names it, every rank of this launch uses that name
-        cfg.run.name = rundir.job_name(cfg, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
-            env, lambda: rundir.new_name(cfg)
+        cfg.run.name = runname.job_name(cfg, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
+            env, lambda: runname.new_name(cfg)
         )
     lock = rundir.RunLock(cfg.run_dir)
     found: dict[str, Any] = {}
@@ -115,7 +138,7 @@ def train(
     try:
         path = on_rank0(env, take_run_dir)  # only the path travels: each rank reads the file itself
         resumed = None if path is None else found["state"] if env.rank == 0 else checkpoint.load(path)
-        return _train(cfg, task_cls, env, device, backend, stop, resumed, t0, dog)
+        return _train(cfg, task_cls, env, device, backend, stop, resumed, t0, dog, hosts)
     finally:
         lock.release()
 
@@ -130,6 +153,7 @@ def _train(
     resumed: dict[str, Any] | None,
     t0: float,
     dog: Watchdog | None,
+    hosts: list[str],
 ) -> int:
     if resumed is not None and resumed["finished"]:
         name, value = task_cls.best_metric, resumed.get("best", resumed.get("best_accuracy"))
@@ -166,7 +190,8 @@ def _train(
     ddp = step.wrap_ddp(model, device, ws, warmup=lambda net: task.training_step(net, batches.first_batch()))
     train_step = step.make_step(ddp, optimizer, scheduler, task.training_step, device, tc.precision)
 
-    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None)
+    board = tb.open_for(cfg, cfg.run_dir, env.rank)  # log.tensorboard: the same records as TensorBoard events
+    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None, sinks=(board,))
 
     def elapsed() -> float:
         return pos.elapsed_s + time.monotonic() - t0
@@ -250,14 +275,12 @@ def _train(
                 "(lower train.lr and start a new run.name)"
             )
         if pos.step % tc.log_every_steps == 0:
-            mean, rate = window.close(pos.step)
             metrics.write(
                 "train",
                 pos.step,
                 pos.epoch,
                 elapsed(),
-                loss=mean,
-                samples_per_s=rate,
+                **window.close(pos.step),
                 world_size=ws,
                 lr=scheduler.get_last_lr()[0],
             )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -85,26 +84,3 @@ def prepare(cfg: Config, lock: RunLock) -> tuple[Path, dict[str, Any]] | None:
             "make it writable or choose another run.output_root"
         ) from None
     return found
-
-
-def base_name(cfg: Config) -> str:
-    """What new run directories of this task are called: the task class name, lower case."""
-    return cfg.task.rpartition(":")[2].rpartition(".")[2].lower() or "run"
-
-
-def job_name(cfg: Config, job_ref: str | None) -> str | None:
-    """Inside a Slurm job: ``<task>-<job id>`` (``<array job>_<task id>`` for arrays). The same on every
-    rank and after every requeue of the job; None outside Slurm."""
-    return f"{base_name(cfg)}-{job_ref}" if job_ref else None
-
-
-def new_name(cfg: Config, now: float | None = None) -> str:
-    """Rank 0, for a launch without run.name outside Slurm: ``<task>-<YYYYmmdd-HHMMSS>``, with a
-    ``-2``, ``-3``... suffix when that directory exists already (two launches in one second)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    name = f"{base_name(cfg)}-{stamp}"
-    root, n = Path(cfg.run.output_root), 1
-    while (root / name).exists():
-        n += 1
-        name = f"{base_name(cfg)}-{stamp}-{n}"
-    return name
