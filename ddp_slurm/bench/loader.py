@@ -190,7 +190,7 @@ def cfg_task(cfg: config.Config, batch: int, device: torch.device):
     from ddp_slurm.tasks.mnist import MNIST
     from ddp_slurm.train.task import Context
 
-    return MNIST(cfg.task_config, Context(0, 1, 0, device, cfg.run.seed, cfg.run_dir, batch))
+    return MNIST(cfg.task_config, Context(0, 1, 0, device, cfg.run.seed, Path(cfg.run.output_root), batch))
 
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from ddp_slurm.train import checkpoint
 pytestmark = pytest.mark.cluster
 
 ADD_STEPS_PER_EPOCH = 2048 // 64
-ADD_EPOCHS = 3  # long enough that a USR2 sent once training is underway lands mid-run
+ADD_EPOCHS = 2  # long enough that a USR2 sent once training is underway lands mid-run
 RELATIVE_TASK = "task=examples/addition/task.py:Addition"
 JOB_TIMEOUT_S = 420.0
 
@@ -97,21 +98,12 @@ def addition_job(d: TaskDriver, name: str, script: str = "mnist_4node.sh") -> Jo
 
 
 @pytest.fixture(scope="module")
-def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Future]:
-    d = TaskDriver(slurm_cluster, tmp_path_factory.mktemp("tasks-sbatch"))
-    line = Job(
-        "line_torchrun",
-        "mnist_torchrun.sh",
-        ["--nodes=4", *PER_NODE],
-        [f"run.output_root={d.workdir / 'runs'}", "run.name=line_torchrun", "task=line_task.py:Line", *LINE_RUN],
-        d.workdir,
-        steps=24,
-    )
-    plan = {
-        "add_ref": (run_plain, addition_job(d, "add_ref")),
-        "add_usr2": (run_scancel_usr2, addition_job(d, "add_usr2")),
-        "line_torchrun": (run_plain, line),
-    }
+def driver(slurm_cluster, tmp_path_factory) -> TaskDriver:
+    return TaskDriver(slurm_cluster, tmp_path_factory.mktemp("tasks-sbatch"))
+
+
+def started(d: TaskDriver, plan: dict[str, tuple]) -> Iterator[dict[str, Future]]:
+    """The scenarios of ``plan`` started side by side; on the way out, whatever still runs is cancelled."""
     pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="slurm-task-job")
     futures = {}
     for name, (scenario, job) in plan.items():
@@ -125,12 +117,38 @@ def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Future]:
         pool.shutdown(wait=True)
 
 
+@pytest.fixture(scope="module")
+def addition_jobs(driver: TaskDriver) -> Iterator[dict[str, Future]]:
+    """The example left alone and the same job interrupted by USR2, side by side (two 4-node jobs fit)."""
+    yield from started(
+        driver,
+        {
+            "add_ref": (run_plain, addition_job(driver, "add_ref")),
+            "add_usr2": (run_scancel_usr2, addition_job(driver, "add_usr2")),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def line_job(driver: TaskDriver) -> Iterator[dict[str, Future]]:
+    d = driver
+    line = Job(
+        "line_torchrun",
+        "mnist_torchrun.sh",
+        ["--nodes=4", *PER_NODE],
+        [f"run.output_root={d.workdir / 'runs'}", "run.name=line_torchrun", "task=line_task.py:Line", *LINE_RUN],
+        d.workdir,
+        steps=24,
+    )
+    yield from started(d, {"line_torchrun": (run_plain, line)})
+
+
 def result(jobs: dict[str, Future], name: str) -> Job:
     return jobs[name].result(timeout=JOB_TIMEOUT_S * 2)
 
 
-def test_sbatch_example_4_nodes_to_the_end(jobs, slurm_cluster) -> None:
-    job = result(jobs, "add_ref")
+def test_sbatch_example_4_nodes_to_the_end(addition_jobs, slurm_cluster) -> None:
+    job = result(addition_jobs, "add_ref")
     assert_completed(job, restarts=0)
     assert sorted(rank_hosts(job).values()) == sorted(slurm_cluster.nodes)
     start = job.rows("start")[0]
@@ -140,16 +158,16 @@ def test_sbatch_example_4_nodes_to_the_end(jobs, slurm_cluster) -> None:
     assert len(checkpoint.load_latest(job.run_dir)["rng"]) == 4  # every rank's RNG streams
 
 
-def test_sbatch_example_usr2_mid_epoch_requeues_and_ends_bit_identical(jobs) -> None:
-    job, ref = result(jobs, "add_usr2"), result(jobs, "add_ref")
+def test_sbatch_example_usr2_mid_epoch_requeues_and_ends_bit_identical(addition_jobs) -> None:
+    job, ref = result(addition_jobs, "add_usr2"), result(addition_jobs, "add_ref")
     assert_completed(job, restarts=1)
     [stop] = assert_resumed_exactly(job)
     assert stop["requeue"] is True and stop["step"] % ADD_STEPS_PER_EPOCH != 0, stop  # mid-epoch
     assert_same_weights(job, ref)
 
 
-def test_sbatch_torchrun_minimal_task(jobs, slurm_cluster) -> None:
-    job = result(jobs, "line_torchrun")
+def test_sbatch_torchrun_minimal_task(line_job, slurm_cluster) -> None:
+    job = result(line_job, "line_torchrun")
     assert_completed(job, restarts=0)
     start = job.rows("start")[0]
     assert (start["world_size"], start["launcher"], start["task"]) == (4, "torchrun", "line_task.py:Line")
