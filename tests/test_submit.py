@@ -190,7 +190,7 @@ def test_wait_exits_with_trainings_status_and_the_failing_ranks_lines(launcher: 
     res = launcher.run(SUBMIT + ["--cluster", "local", "--wait", "--name", "bad", *TINY, "train.precision=bf16"])
     assert res.returncode == 2, res.stdout + res.stderr
     assert (
-        "rank 0 failed: training exited 2 on rank 0 (usage or config error): train.precision=bf16 needs CUDA"
+        "rank 0 failed: training exited 2 on rank 0 (usage or config error): train.precision=bf16 needs a CUDA GPU"
         in res.stderr
     )
     assert "--- last lines of the failing rank's log" in res.stdout
