@@ -72,6 +72,17 @@ def test_bad_task_through_the_python_api_returns_2(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("task", ["nowhere.py:Digits", "line_task.py:NotATask", "line_task.py:Incomplete"])
+def test_bad_task_through_submit_exits_2_before_submitting(tmp_path: Path, task: str) -> None:
+    """``python -m ddp_slurm.submit`` checks the task on the submitting machine: nothing reaches Slurm."""
+    write_line_task(tmp_path)
+    cmd = [sys.executable, "-m", "ddp_slurm.submit", "--nodes", "4", "--dry-run", f"task={task}"]
+    res = Launcher(tmp_path).run(cmd, timeout=300)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+    assert lines[0].startswith("python -m ddp_slurm.submit: error: task=") and not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- the minimal task, every entry point
 def assert_line_learned(run_dir: Path, world_size: int) -> dict[str, Any]:
     state = checkpoint.load_latest(run_dir)
