@@ -7,15 +7,23 @@ restarts). Kinds: ``start`` (each launch), ``train``, ``eval``, ``stop`` (stop s
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm import safefs
+
 
 class MetricsWriter:
-    def __init__(self, path: Path | None) -> None:
-        """``path=None`` (ranks other than 0) makes every call a no-op."""
-        self._file = open(path, "a", buffering=1) if path is not None else None
+    def __init__(self, path: Path | None, shared: bool = False) -> None:
+        """``path=None`` (ranks other than 0) makes every call a no-op. The file is appended to across
+        launches, so it is opened without following a symlink and must be this user's plain file
+        (``safefs.open_owned``; ``shared``: ``run.shared``)."""
+        self._file = None
+        if path is not None:
+            fd = safefs.open_owned(path, os.O_WRONLY | os.O_APPEND, shared)
+            self._file = os.fdopen(fd, "a", buffering=1)
 
     def write(self, kind: str, step: int, epoch: int, time_s: float, **fields: Any) -> None:
         if self._file is not None:

@@ -11,18 +11,23 @@ import os
 import socket
 from pathlib import Path
 
+from ddp_slurm import safefs
+
 
 class RunLocked(RuntimeError):
     """Another live launch holds the run directory."""
 
 
 class RunLock:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, shared: bool = False) -> None:
         self.path = Path(run_dir) / ".lock"
+        self.shared = shared  # run.shared: a teammate's lock file is fine
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Raises RunLocked, or safefs.UnsafePath when ``.lock`` is a symlink, FIFO or another user's file
+        (it is never followed or written through)."""
+        fd = safefs.open_owned(self.path, os.O_RDWR, self.shared)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
