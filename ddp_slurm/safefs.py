@@ -70,6 +70,13 @@ def _kind(mode: int) -> str:
     return "plain file" if stat.S_ISREG(mode) else "special file"
 
 
+def tighten_umask(shared: bool = False) -> None:
+    """For processes whose files a library creates (submitit's job folders and result pickles): never
+    group-writable (unless ``shared``) and never readable by others, whatever the login umask."""
+    old = os.umask(0o077)
+    os.umask(old | (0o007 if shared else 0o027))
+
+
 def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -137,32 +144,33 @@ def open_owned(path: Path, flags: int, shared: bool = False) -> int:
     return fd
 
 
-def check_trusted(path: Path, shared: bool = False) -> None:
+def check_trusted(path: Path, shared: bool = False, use: str = "resume from") -> None:
     """Refuse to resume from ``path`` (a run directory, its config, a checkpoint or its folder) when
     someone else could have written it: a symlink, another owner, writable by others, or writable by
-    the group (allowed with ``run.shared``, where the group is trusted and files may be a teammate's)."""
+    the group (allowed with ``run.shared``, where the group is trusted and files may be a teammate's).
+    ``use``: what was about to happen, for the message."""
     path = Path(path)
     st = os.lstat(path)
     fix = f"chmod go-w {path}"
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePath(f"refusing to resume from {path}: it is a symlink; replace it with the real directory or file")
+        raise UnsafePath(f"refusing to {use} {path}: it is a symlink; replace it with the real directory or file")
     if st.st_mode & stat.S_IWOTH:
-        raise UnsafePath(f"refusing to resume from {path}: it is writable by every user; {fix} if its content is yours")
+        raise UnsafePath(f"refusing to {use} {path}: it is writable by every user; {fix} if its content is yours")
     if shared:
         if st.st_uid != os.geteuid() and st.st_gid not in _my_groups():
             raise UnsafePath(
-                f"refusing to resume from {path}: owned by uid {st.st_uid}, group {st.st_gid}, neither "
+                f"refusing to {use} {path}: owned by uid {st.st_uid}, group {st.st_gid}, neither "
                 "yours nor one of your groups; choose another run.name"
             )
         return
     if st.st_uid != os.geteuid():
         raise UnsafePath(
-            f"refusing to resume from {path}: owned by uid {st.st_uid}, not by you; copy the run to a "
+            f"refusing to {use} {path}: owned by uid {st.st_uid}, not by you; copy the run to a "
             "directory of your own, or set run.shared=true for a team run"
         )
     if st.st_mode & stat.S_IWGRP:
         raise UnsafePath(
-            f"refusing to resume from {path}: it is writable by the group; {fix}, or set run.shared=true for a team run"
+            f"refusing to {use} {path}: it is writable by the group; {fix}, or set run.shared=true for a team run"
         )
 
 

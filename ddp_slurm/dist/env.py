@@ -107,7 +107,11 @@ def expand_hostlist(text: str) -> list[str]:
     if depth:
         raise BootstrapError(f"malformed Slurm host list {text!r}: unclosed '['")
     tokens.append(text[start:])
-    hosts = [host for token in tokens if token for host in _expand_name(token, text)]
+    hosts: list[str] = []
+    for token in filter(None, tokens):
+        hosts += _expand_name(token, text)
+        if len(hosts) > _MAX_RANGE:
+            raise BootstrapError(f"malformed Slurm host list {text[:80]!r}...: more than {_MAX_RANGE} hosts")
     if not hosts:
         raise BootstrapError(f"empty Slurm host list {text!r}")
     return hosts
@@ -120,8 +124,14 @@ def _expand_name(token: str, text: str) -> list[str]:
         # scontrol rejects text after the last bracket group ("a[1-2]b"): do the same.
         raise BootstrapError(f"malformed Slurm host list {text!r}: text after ']' in {token!r}")
     choices: list[list[str]] = []
+    count = 1
     for i, part in enumerate(parts):
         choices.append(_expand_range(part, text) if i % 2 else [part])
+        count *= len(choices[-1])
+        if count > _MAX_RANGE:  # n[0-9999][0-9999] is 10^8 names: refuse before building them
+            raise BootstrapError(
+                f"malformed Slurm host list {text!r}: {token!r} names more than {_MAX_RANGE} hosts"
+            )
     return ["".join(combo) for combo in itertools.product(*choices)]
 
 

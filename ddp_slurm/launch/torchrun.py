@@ -41,6 +41,7 @@ from pathlib import Path
 from types import FrameType
 
 from ddp_slurm.exitcodes import EXIT_STOPPED
+from ddp_slurm.train.signals import StopFlag
 
 log = logging.getLogger("ddp_slurm.launch")
 
@@ -99,9 +100,14 @@ def _stopped(exc) -> bool:
     return EXIT_STOPPED in codes and all(code in (EXIT_STOPPED, -signal.SIGTERM) for code in codes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run torchrun with ``argv`` (default: the command line); returns the exit status."""
-    SignalForwarder().install()  # first: until this line SIGUSR2 would kill the agent
+def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
+    """Run torchrun with ``argv`` (default: the command line); returns the exit status.
+
+    ``early``: the flag ``python -m ddp_slurm.launch`` installed as its first instruction; a stop signal
+    that arrived before any worker was started ends the launch with exit 75 (nothing to lose yet).
+    """
+    if early is None:
+        SignalForwarder().install()  # first: until this line SIGUSR2 would kill the agent
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s launch [{socket.gethostname()}]: %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
@@ -131,7 +137,15 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + sig
         return 0
 
-    return launch(torchrun.parse_args(sys.argv[1:] if argv is None else argv))
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    if early is not None:  # it recorded every stop signal while torch was imported
+        early.restore()  # torchrun's agent takes TERM, INT and HUP (and passes them to the workers)
+        SignalForwarder().install()
+    if early is not None and early.received:
+        names = ", ".join(signal.Signals(s).name for s in early.received)
+        log.info("%s before any worker started: nothing to save; exit %d (launch again)", names, EXIT_STOPPED)
+        return EXIT_STOPPED
+    return launch(args)
 
 
 if __name__ == "__main__":
