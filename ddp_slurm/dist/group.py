@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
-from ddp_slurm.dist import hostmem
+from ddp_slurm.dist import hostmem, rdzv
 from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError, _int
 
 if TYPE_CHECKING:
@@ -182,12 +182,12 @@ def init_distributed(env: DistEnv, backend: str = "auto",
                                 rank=0, world_size=1, timeout=timeout, device_id=device_id)
         return device, backend
     try:
-        # tcp:// rather than our own TCPStore: torch then reuses torchrun's agent store when
-        # TORCHELASTIC_USE_AGENT_STORE says so, instead of fighting it for the port.
-        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timeout,
-                                device_id=device_id)
+        # Our own store (rdzv.job_store): bound to the rendezvous address only and keyed by a per-job
+        # secret, so that nobody outside the job can join it or plant keys; it connects to torchrun's
+        # agent store where TORCHELASTIC_USE_AGENT_STORE says so, as torch's tcp:// would.
+        store = rdzv.job_store(env, timeout, os.environ)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, device_id=device_id)
     except (RuntimeError, ValueError) as exc:  # DistError subclasses RuntimeError
         raise _rendezvous_error(env, timeout_s, exc) from exc
     log.info("rank %d/%d joined %s process group at %s:%d on %s", env.rank, env.world_size,
