@@ -108,23 +108,51 @@ def fix_loopback_ifname(env: DistEnv, environ: MutableMapping[str, str]) -> str 
     127.0.x.1 (common in containers and on some clusters) peers then dial 127.0.0.1 and fail
     with "connectFullMesh ... Connection refused". Sets GLOO_SOCKET_IFNAME (and
     NCCL_SOCKET_IFNAME if unset) in ``environ``; never overrides the user's GLOO_SOCKET_IFNAME.
-    Returns the interface set, or None.
+    On the rendezvous node itself MASTER_ADDR (its own name) resolves to loopback too: there the
+    interface is the one that routes to another node of the job (``_peer_address``); a job on one
+    node keeps loopback, which is right for it. Returns the interface set, or None.
     """
     if not env.is_distributed or environ.get("GLOO_SOCKET_IFNAME"):
         return None
     hostname = socket.gethostname()
-    if not _is_loopback(hostname) or _is_loopback(env.master_addr):
+    if not _is_loopback(hostname):
         return None
-    ifname = route_ifname(env.master_addr)
+    target: str | None = env.master_addr
+    if _is_loopback(env.master_addr):  # this is the rendezvous node (or a single-node job)
+        target = _peer_address(env, environ, hostname) if env.num_nodes > 1 else None
+        if target is None and env.num_nodes > 1:
+            log.warning("host name %s resolves to loopback and no other node of the job was found to "
+                        "route to: set GLOO_SOCKET_IFNAME if the ranks cannot connect", hostname)
+        if target is None:
+            return None
+    ifname = route_ifname(target)
     if ifname is None:
         log.warning("host name %s resolves to loopback and no interface routes to %s: "
-                    "set GLOO_SOCKET_IFNAME if the ranks cannot connect", hostname, env.master_addr)
+                    "set GLOO_SOCKET_IFNAME if the ranks cannot connect", hostname, target)
         return None
     environ["GLOO_SOCKET_IFNAME"] = ifname
     environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
     log.info("host name %s resolves to loopback: set GLOO_SOCKET_IFNAME=%s (the interface routing "
-             "to %s) so peers do not dial 127.0.0.1", hostname, ifname, env.master_addr)
+             "to %s) so peers do not dial 127.0.0.1", hostname, ifname, target)
     return ifname
+
+
+def _peer_address(env: DistEnv, environ: Mapping[str, str], hostname: str) -> str | None:
+    """A node of this job other than this one that resolves to a real address (Slurm's node list)."""
+    from ddp_slurm.dist.env import expand_hostlist
+
+    text = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not text:
+        return None
+    try:
+        hosts = expand_hostlist(text)
+    except BootstrapError:
+        return None
+    short = hostname.split(".")[0]
+    for host in hosts:
+        if host.split(".")[0] != short and not _is_loopback(host):
+            return host
+    return None
 
 
 def _rendezvous_error(env: DistEnv, timeout_s: float, exc: Exception) -> RendezvousError:

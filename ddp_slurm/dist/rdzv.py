@@ -136,10 +136,8 @@ def job_store(env: DistEnv, timeout: timedelta, environ: Mapping[str, str]) -> A
         sock = _listen(bind_address(env), env.master_port)
         try:
             store = dist.TCPStore(host, env.master_port, env.world_size, True, timeout, master_listen_fd=sock.fileno())
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store owns the listening socket now
+        finally:
+            sock.detach()  # the store owns the listening socket now, and closes it even when it fails
     else:
         store = dist.TCPStore(host, env.master_port, env.world_size, False, timeout)
     return dist.PrefixStore(f"{secret}/", store)
