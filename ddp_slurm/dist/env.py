@@ -66,8 +66,9 @@ def _int(environ: Mapping[str, str], *names: str, minimum: int = 0) -> Var | Non
     if found is None:
         return None
     name, raw = found
-    if not re.fullmatch(r"[+-]?[0-9]+", raw) or int(raw) < minimum:
-        raise BootstrapError(f"{name}={raw!r} is not an integer >= {minimum}")
+    # Bounded (Slurm ids are 32-bit): 10**30 is a typo that would overflow later, not a rank or a size.
+    if not re.fullmatch(r"[+-]?[0-9]{1,10}", raw) or not minimum <= int(raw) < 2**32:
+        raise BootstrapError(f"{name}={raw[:40]!r} is not an integer >= {minimum} (and < 2**32)")
     return name, int(raw)
 
 
@@ -155,7 +156,10 @@ def _tasks_per_node(name: str, text: str) -> list[int]:
         match = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", item.strip())
         if not match:
             raise BootstrapError(f"{name}={text!r} is not Slurm's tasks-per-node syntax (e.g. '2(x3),1')")
-        counts += [int(match[1])] * int(match[2] or 1)
+        repeat = int(match[2] or 1)
+        if len(counts) + repeat > _MAX_RANGE:  # 2(x999999999999) would take the memory, not describe a job
+            raise BootstrapError(f"{name}={text[:80]!r} describes more than {_MAX_RANGE} nodes")
+        counts += [int(match[1])] * repeat
     return counts
 
 

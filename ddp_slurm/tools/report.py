@@ -204,7 +204,8 @@ def plot(run: Run, out: Path) -> Path:
     for ax in (ax_loss, ax_acc, ax_rate):
         ax.xaxis.set_major_formatter(thousands)
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # nothing to label yet (a run that only started): no warning
+            ax.legend(loc="best", fontsize="small")
     fig.suptitle(f"{run.run_dir.name}: {summary(run).splitlines()[0].split(': ', 1)[1]}")
     # Atomic (a reader, or a browser refreshing it, never sees half a file) and never through a symlink.
     safefs.write_atomic(out, lambda f: fig.savefig(f, format="png"))
