@@ -235,3 +235,58 @@ def test_temporary_names_cannot_be_planted_in_advance(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         safefs.open_new(first)
     assert not (tmp_path / "victim").exists()
+
+
+# --------------------------------------------------------------------------- 6. the run's own config.yaml
+@pytest.mark.parametrize("content", [b"", b"- 1\n", b"3\n", b"\xff\xfe", b"train:\n  epochs: -1\n", None])
+def test_damaged_run_directory_config_is_one_config_error_naming_it(tmp_path: Path, content: bytes | None) -> None:
+    path = tmp_path / "config.yaml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(config.ConfigError) as err:
+        config.read_resolved(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "move the run directory away" in message
+
+
+def test_dump_is_durable_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    cfg = config.Config()
+    config.dump(cfg, tmp_path / "config.yaml")
+    config.dump(cfg, tmp_path / "config.yaml")  # over an existing one
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
+    assert config.read_resolved(tmp_path / "config.yaml") == cfg
+
+
+# --------------------------------------------------------------------------- 4. result pickles
+class _Planted:
+    """What a co-tenant would write as a result file: unpickling it runs code (creates a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("loose", ["folder", "file"])
+def test_result_file_others_could_write_is_not_unpickled(tmp_path: Path, loose: str) -> None:
+    import pickle
+    from types import SimpleNamespace
+
+    from ddp_slurm.launch.follow import task_results
+
+    folder = tmp_path / "submitit" / "42"
+    folder.mkdir(parents=True, mode=0o750)
+    result = folder / "42_0_result.pkl"
+    marker = tmp_path / "code-ran"
+    result.write_bytes(pickle.dumps(("success", _Planted(marker))))
+    result.chmod(0o640)
+    job = SimpleNamespace(num_tasks=1, task=lambda i: SimpleNamespace(paths=SimpleNamespace(result_pickle=result)))
+    target = folder if loose == "folder" else result
+    target.chmod(stat.S_IMODE(target.stat().st_mode) | 0o020)
+    assert task_results(job) == [None] and not marker.exists()
+    target.chmod(stat.S_IMODE(target.stat().st_mode) & ~0o020)
+    task_results(job)  # now trusted (this user's, not writable by others): read as before
+    assert marker.exists()
