@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import re
+import reprlib
+import stat
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +36,11 @@ class RunConfig:
     output_root: str = "runs"
     """Directory holding run directories (relative paths are relative to the working directory)."""
     seed: int = 0
-    """Seed for model initialisation and the per-epoch data order (identical on every rank)."""
+    """Seed for model initialisation and the per-epoch data order (identical on every rank); 0 to 2**32-1."""
+    shared: bool = False
+    """A team run several users resume: directories 0770 and files 0660 instead of 0750/0640, and resume
+    accepts a run directory or checkpoint writable by the group or owned by a member of it. Off: only
+    your own files, not writable by the group, are resumed from (a co-tenant could plant a checkpoint)."""
 
 
 @dataclass
@@ -207,13 +215,28 @@ def checked(
     return field(default=default, default_factory=default_factory, metadata=meta)
 
 
+# A run name becomes a directory, a Slurm job name and part of the job script: a safe character set.
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=,-]{0,199}")
+# Slurm partition/account/QOS names: no whitespace or shell-special characters.
+SLURM_WORD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._,:-]{0,199}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; more is a mistake (or /dev/zero)
+_INT_LIMIT = 1 << 62  # larger integers overflow the int64s they end up in (torch, timedelta, Slurm)
+
+
+def _slurm_word(v: str | None) -> bool:
+    return v is None or bool(SLURM_WORD.fullmatch(v))
+
+
 # Value checks beyond the type: key -> (predicate, what was expected).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "run.name": (
-        lambda v: v is None or (bool(v) and "/" not in v and v not in (".", "..")),
-        "null or a non-empty name without '/'",
+        lambda v: v is None or bool(RUN_NAME.fullmatch(v)),
+        "null, or a name without '/' or spaces: letters, digits and . _ + = , - (not starting with . or -, "
+        "at most 200)",
     ),
     "run.output_root": (bool, "a non-empty path"),
+    "run.seed": (lambda v: 0 <= v < 2**32, "an integer from 0 to 4294967295"),
     "train.epochs": (lambda v: v >= 1, "an integer >= 1"),
     "train.global_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "train.lr": (lambda v: v > 0, "a number > 0"),
@@ -226,7 +249,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.log_every_s": (lambda v: v > 0, "a number > 0"),
     "checkpoint.every_steps": (lambda v: v >= 0, "an integer >= 0"),
     "checkpoint.keep": (lambda v: v >= 1, "an integer >= 1"),
-    "dist.timeout_s": (lambda v: v > 0, "a number > 0"),
+    "dist.timeout_s": (lambda v: 0 < v <= 1e7, "a number > 0 and <= 10000000 (seconds)"),
     "slurm.nodes": (lambda v: v >= 1, "an integer >= 1"),
     "slurm.gpus_per_node": (lambda v: v >= 0, "an integer >= 0"),
     "slurm.tasks_per_node": (lambda v: v is None or v >= 1, "null or an integer >= 1"),
@@ -237,7 +260,14 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
         lambda v: v is None or bool(re.fullmatch(r"\d+[KMGT]?B?", v, re.I)),
         "null or a size like 16G",
     ),
-    "slurm.signal_delay_s": (lambda v: v >= 0, "an integer >= 0 (seconds)"),
+    "slurm.signal_delay_s": (lambda v: 0 <= v <= 10**7, "an integer from 0 to 10000000 (seconds)"),
+    "slurm.partition": (_slurm_word, "null or a Slurm name (letters, digits, . _ , : -)"),
+    "slurm.account": (_slurm_word, "null or a Slurm name (letters, digits, . _ , : -)"),
+    "slurm.qos": (_slurm_word, "null or a Slurm name (letters, digits, . _ , : -)"),
+    "slurm.constraint": (
+        lambda v: v is None or (bool(v) and not re.search(r"[^A-Za-z0-9_.,:|&!*()\[\]-]", v)),
+        "null or a Slurm constraint (letters, digits and . _ , : | & ! * ( ) [ ] -)",
+    ),
     "slurm.max_requeues": (lambda v: v >= 0, "an integer >= 0"),
 }
 
@@ -248,7 +278,21 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if args and type(None) in args:
         return "null or " + " or ".join(_describe(a) for a in args if a is not type(None))
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+    return {
+        int: "an integer (|n| < 2**62)",
+        float: "a number (finite)",
+        str: "a string without control characters",
+        bool: "true or false",
+    }.get(tp, str(tp))
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxlevel = 60, 60, 4, 4, 2
+
+
+def _show(value: Any) -> str:
+    """``repr`` for an error line, kept short: a YAML alias bomb must not become a 350 MB message."""
+    return _SHOW.repr(value)
 
 
 def _coerce(value: Any, tp: Any) -> Any:
@@ -267,20 +311,23 @@ def _coerce(value: Any, tp: Any) -> Any:
             return value
         raise TypeError
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _INT_LIMIT:
             return value
         raise TypeError
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string; it is the number the user meant.
+            number = float(value) if abs(value) < 1e300 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string; it is the number the user meant.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):
+            return number
         raise TypeError
     if tp is str:
-        if isinstance(value, str):
+        if isinstance(value, str) and not _CONTROL.search(value):
             return value
         raise TypeError
     raise TypeError
@@ -320,10 +367,10 @@ def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     try:
         coerced = _coerce(value, hints[name])
     except TypeError:
-        raise ConfigError(f"{key} in {where}: expected {_describe(hints[name])}, got {value!r}") from None
+        raise ConfigError(f"{key} in {where}: expected {_describe(hints[name])}, got {_show(value)}") from None
     check = _CHECKS.get(key) or _fields(target)[name].metadata.get("check")
     if check and not check[0](coerced):
-        raise ConfigError(f"{key} in {where}: expected {check[1]}, got {value!r}")
+        raise ConfigError(f"{key} in {where}: expected {check[1]}, got {_show(value)}")
     setattr(target, name, coerced)
 
 
@@ -343,20 +390,40 @@ def _split(data: Any, where: str) -> tuple[str | None, dict[str, Any]]:
             task = body
             continue
         if not isinstance(body, Mapping):
-            raise ConfigError(f"section {section!r} in {where}: expected a mapping of keys, got {body!r}")
+            raise ConfigError(f"section {_show(section)} in {where}: expected a mapping of keys, got {_show(body)}")
         for name, value in body.items():
             flat[f"{section}.{name}"] = value
     return task, flat
 
 
-def yaml_load(text: str) -> Any:
-    """``yaml.safe_load`` without YAML 1.1's base-60 numbers: ``time: 1:30:00`` stays the text
-    Slurm reads instead of becoming the integer 5400."""
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)``; the value is read as a YAML scalar."""
+    import yaml  # lazy: keeps `import ddp_slurm.config` cheap
+
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if key == "task" and sep:
+        return key, raw.strip()
+    if not sep or not key or "." not in key:
+        raise ConfigError(f"bad override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.epochs=3")
+    try:
+        value = _yaml(raw, f"override {text!r}") if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"bad override {text!r}: the value is not a YAML scalar") from None
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"bad override {text!r}: the value must be a scalar, not a {type(value).__name__}")
+    return key, value
+
+
+def _loader() -> type:
+    """PyYAML's safe loader, refusing a key that appears twice in one mapping (PyYAML keeps the last one
+    silently: a user who typed ``lr`` twice would train with the value they did not look at)."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
+    # Without YAML 1.1's base-60 numbers: ``time: 1:30:00`` stays the text Slurm reads, not the integer 5400.
     int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
     Loader.yaml_implicit_resolvers = {
         first: [(tag, rx) for tag, rx in pairs if tag not in (int_tag, float_tag)]
@@ -375,26 +442,74 @@ def yaml_load(text: str) -> Any:
         ),
         list("-+0123456789."),
     )
-    return yaml.load(text, Loader=Loader)  # noqa: S506  (a SafeLoader subclass)
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        loader.flatten_mapping(node)
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise ConfigError(f"key {_show(key)} appears twice (line {key_node.start_mark.line + 1})")
+            seen.add(key) if isinstance(key, typing.Hashable) else None
+        return loader.construct_mapping(node, deep=True)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)``; the value is read as a YAML scalar."""
-    import yaml  # lazy: keeps `import ddp_slurm.config` cheap
+def _yaml(text: str, where: str) -> Any:
+    """Parse YAML text; a duplicate key is a ConfigError naming ``where``. YAMLError passes through."""
+    import yaml
 
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if key == "task" and sep:
-        return key, raw.strip()
-    if not sep or not key or "." not in key:
-        raise ConfigError(f"bad override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.epochs=3")
     try:
-        value = yaml_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise ConfigError(f"bad override {text!r}: the value is not a YAML scalar") from None
-    if isinstance(value, (dict, list)):
-        raise ConfigError(f"bad override {text!r}: the value must be a scalar, not a {type(value).__name__}")
-    return key, value
+        return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except RecursionError:  # thousands of nested brackets
+        raise ConfigError(f"{where}: nested too deeply") from None
+
+
+def read_text(path: Path) -> str:
+    """A config file's text, refusing what is not a small UTF-8 plain file: a FIFO or a device would
+    block or never end (``/dev/zero``), a directory or a binary file gives a traceback otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {path} not found (configs ship under jobs/, e.g. jobs/mnist_sample.yaml)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a plain file (a FIFO, socket or device)"
+        raise ConfigError(f"config file {path} cannot be read: it is {kind}; give a YAML file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes: not a job config")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): give a YAML file") from None
+
+
+def parse_yaml_file(path: Path) -> Any:
+    """``read_text`` + YAML, every problem one ConfigError line naming the file."""
+    import yaml
+
+    text = read_text(path)
+    try:
+        return _yaml(text, f"config file {path}")
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {problem}") from None
 
 
 def _new(task: str | type | None, where: str) -> Config:
@@ -420,26 +535,6 @@ def from_dict(data: Mapping[str, Any], where: str = "<dict>", task: str | type |
     return cfg
 
 
-def _read_yaml(path: Path) -> Any:
-    import yaml
-
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"config file {path} not found (configs ship under jobs/, e.g. jobs/mnist_sample.yaml)"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-    try:
-        return yaml_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"config file {path} is not valid YAML{at}: {problem}") from None
-
-
 def load(path: str | Path | None = None, overrides: Iterable[str] = (), task: type | None = None) -> Config:
     """Defaults, then the YAML file at ``path`` (if given), then ``KEY=VALUE`` overrides in order.
 
@@ -447,7 +542,7 @@ def load(path: str | Path | None = None, overrides: Iterable[str] = (), task: ty
     Python API) is resolved first: its sections are then checked like the runtime's.
     """
     where = str(path) if path is not None else "the command line"
-    spec, flat = _split(_read_yaml(Path(path)), str(path)) if path is not None else (None, {})
+    spec, flat = _split(parse_yaml_file(Path(path)), str(path)) if path is not None else (None, {})
     parsed = [(text, *parse_override(text)) for text in overrides]
     for _, key, value in parsed:
         if key == "task":
@@ -473,17 +568,29 @@ def _wants_text(cfg: Config, key: str) -> bool:
 
 
 def dump(cfg: Config, path: Path) -> None:
-    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    """Write the resolved config as YAML, atomically and durably (exclusive temporary file, fsync, rename,
+    fsync of the directory: a reader, or a relaunch after a crash, never sees half a file), never
+    through a symlink (``safefs.write_atomic``)."""
     import yaml
 
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    tmp.replace(path)
+    from ddp_slurm import safefs
+
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode()
+    safefs.write_atomic(Path(path), lambda f: f.write(text), cfg.run.shared)
 
 
 def read_resolved(path: Path) -> Config:
-    """Read a run directory's ``config.yaml`` back."""
-    return from_dict(_read_yaml(path) or {}, str(path))
+    """Read a run directory's ``config.yaml`` back; a damaged one (empty, not a mapping, a directory,
+    invalid values) is one ConfigError line naming it and the way out."""
+    try:
+        data = parse_yaml_file(path)
+        if not isinstance(data, Mapping) or not data:
+            raise ConfigError(f"{path}: expected the mapping of sections this program writes, got {_show(data)}")
+        return from_dict(data, str(path))
+    except ConfigError as exc:
+        raise ConfigError(
+            f"the run directory's config is damaged ({exc}); move the run directory away or choose another run.name"
+        ) from None
 
 
 # Runtime keys that may differ between the launches of one run: they change how it runs, not what it

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import bad_inputs
 import pytest
 import torch
+from bad_inputs import Bad
 from conftest import Launcher, base_env, skip_or_fail
 
 from ddp_slurm.train import checkpoint, metrics
@@ -543,17 +545,6 @@ def test_second_launch_on_a_live_run_refuses_and_a_killed_run_does_not_block(
 
 
 # =========================================================================== 6. bad inputs
-@dataclass(frozen=True)
-class Bad:
-    """A command line that must be refused: exit 2, one line on stderr, nothing started or created."""
-
-    argv: tuple[str, ...]
-    says: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
-    file: str | None = None  # written to job.yaml in the working directory first
-    module: str = "ddp_slurm.train"
-
-
 TORCHRUN_3 = (
     ("RANK", "0"),
     ("WORLD_SIZE", "3"),
@@ -644,10 +635,28 @@ BAD_INPUTS: dict[str, Bad] = {
 }
 
 
+BAD_INPUTS.update(bad_inputs.CASES)
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under ``root``, for "nothing created"."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
 def run_bad(case: Bad, cwd: Path) -> subprocess.CompletedProcess:
     cwd.mkdir()
     if case.file is not None:
         (cwd / "job.yaml").write_text(case.file)
+    for rel, content in case.files:
+        path = cwd / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if content == bad_inputs.FIFO:
+            os.mkfifo(path)
+        elif content == bad_inputs.DIR:
+            path.mkdir()
+        else:
+            path.write_bytes(content)
+    (cwd.parent / f"{cwd.name}.before").write_text("\n".join(tree(cwd)))
     return subprocess.run(
         [sys.executable, "-m", case.module, *case.argv],
         cwd=cwd,
@@ -659,11 +668,18 @@ def run_bad(case: Bad, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def bad_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """Every bad command line, run at once in parallel (each pays for importing torch)."""
     root = tmp_path_factory.mktemp("bad")
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(run_bad, case, root / name) for name, case in BAD_INPUTS.items()}
+    selected = {  # only the cases this session runs (-k): each torch-importing one costs seconds
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_bad_input_is_refused_in_one_line"
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:  # torch-free cases take a second
+        futures = {name: pool.submit(run_bad, BAD_INPUTS[name], root / name) for name in selected}
         return {name: (root / name, f.result()) for name, f in futures.items()}
 
 
@@ -676,7 +692,10 @@ def test_bad_input_is_refused_in_one_line(bad_results, name: str) -> None:
     for text in BAD_INPUTS[name].says:
         assert text in lines[0], f"{text!r} missing from {lines[0]!r}"
     assert res.stdout == ""
-    assert not (cwd / "runs").exists(), "a run directory was created for a refused command"
+    before = (cwd.parent / f"{cwd.name}.before").read_text().splitlines()
+    assert tree(cwd) == before, "something was created for a refused command"
+    if not any(rel.startswith("runs/") for rel, _ in BAD_INPUTS[name].files):
+        assert not (cwd / "runs").exists(), "a run directory was created for a refused command"
     assert "starting run" not in res.stderr and "joined" not in res.stderr
 
 

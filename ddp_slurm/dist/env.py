@@ -58,8 +58,9 @@ def _int(environ: Mapping[str, str], *names: str, minimum: int = 0) -> Var | Non
     if found is None:
         return None
     name, raw = found
-    if not re.fullmatch(r"[+-]?[0-9]+", raw) or int(raw) < minimum:
-        raise BootstrapError(f"{name}={raw!r} is not an integer >= {minimum}")
+    # Bounded (Slurm ids are 32-bit): 10**30 is a typo that would overflow later, not a rank or a size.
+    if not re.fullmatch(r"[+-]?[0-9]{1,10}", raw) or not minimum <= int(raw) < 2**32:
+        raise BootstrapError(f"{name}={raw[:40]!r} is not an integer >= {minimum} (and < 2**32)")
     return name, int(raw)
 
 
@@ -97,7 +98,11 @@ def expand_hostlist(text: str) -> list[str]:
     if depth:
         raise BootstrapError(f"malformed Slurm host list {text!r}: unclosed '['")
     tokens.append(text[start:])
-    hosts = [host for token in tokens if token for host in _expand_name(token, text)]
+    hosts: list[str] = []
+    for token in filter(None, tokens):
+        hosts += _expand_name(token, text)
+        if len(hosts) > _MAX_RANGE:
+            raise BootstrapError(f"malformed Slurm host list {text[:80]!r}...: more than {_MAX_RANGE} hosts")
     if not hosts:
         raise BootstrapError(f"empty Slurm host list {text!r}")
     return hosts
@@ -110,8 +115,12 @@ def _expand_name(token: str, text: str) -> list[str]:
         # scontrol rejects text after the last bracket group ("a[1-2]b"): do the same.
         raise BootstrapError(f"malformed Slurm host list {text!r}: text after ']' in {token!r}")
     choices: list[list[str]] = []
+    count = 1
     for i, part in enumerate(parts):
         choices.append(_expand_range(part, text) if i % 2 else [part])
+        count *= len(choices[-1])
+        if count > _MAX_RANGE:  # n[0-9999][0-9999] is 10^8 names: refuse before building them
+            raise BootstrapError(f"malformed Slurm host list {text!r}: {token!r} names more than {_MAX_RANGE} hosts")
     return ["".join(combo) for combo in itertools.product(*choices)]
 
 
@@ -135,7 +144,10 @@ def _tasks_per_node(name: str, text: str) -> list[int]:
         match = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", item.strip())
         if not match:
             raise BootstrapError(f"{name}={text!r} is not Slurm's tasks-per-node syntax (e.g. '2(x3),1')")
-        counts += [int(match[1])] * int(match[2] or 1)
+        repeat = int(match[2] or 1)
+        if len(counts) + repeat > _MAX_RANGE:  # 2(x999999999999) would take the memory, not describe a job
+            raise BootstrapError(f"{name}={text[:80]!r} describes more than {_MAX_RANGE} nodes")
+        counts += [int(match[1])] * repeat
     return counts
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ddp_slurm.dist import hostmem
+from ddp_slurm.dist import hostmem, rdzv
 from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError, _int
 
 if TYPE_CHECKING:
@@ -129,8 +129,10 @@ def fix_loopback_ifname(env: DistEnv, environ: MutableMapping[str, str]) -> str 
     Gloo advertises the address its host name resolves to; where /etc/hosts maps the name to
     127.0.x.1 (common in containers and on some clusters) peers then dial 127.0.0.1 and fail
     with "connectFullMesh ... Connection refused". Sets GLOO_SOCKET_IFNAME in ``environ`` (gloo
-    takes it as the exact name of one interface); never overrides the user's value. Returns the
-    interface set, or None.
+    takes it as the exact name of one interface); never overrides the user's value. On the rendezvous
+    node itself MASTER_ADDR (its own name) resolves to loopback too: there the interface is the one
+    that routes to another node of the job (``_peer_address``); a job on one node keeps loopback,
+    which is right for it. Returns the interface set, or None.
 
     NCCL_SOCKET_IFNAME is left alone: NCCL chooses its interfaces itself (never ``lo`` while
     another exists, InfiniBand first), whatever the host name resolves to, and it reads that
@@ -140,15 +142,26 @@ def fix_loopback_ifname(env: DistEnv, environ: MutableMapping[str, str]) -> str 
     if not env.is_distributed or environ.get("GLOO_SOCKET_IFNAME"):
         return None
     hostname = socket.gethostname()
-    if not _is_loopback(hostname) or _is_loopback(env.master_addr):
+    if not _is_loopback(hostname):
         return None
-    ifname = route_ifname(env.master_addr)
+    target: str | None = env.master_addr
+    if _is_loopback(env.master_addr):  # this is the rendezvous node (or a single-node job)
+        target = _peer_address(env, environ, hostname) if env.num_nodes > 1 else None
+        if target is None and env.num_nodes > 1:
+            log.warning(
+                "host name %s resolves to loopback and no other node of the job was found to "
+                "route to: set GLOO_SOCKET_IFNAME if the ranks cannot connect",
+                hostname,
+            )
+        if target is None:
+            return None
+    ifname = route_ifname(target)
     if ifname is None:
         log.warning(
             "host name %s resolves to loopback and no interface routes to %s: "
             "set GLOO_SOCKET_IFNAME if the ranks cannot connect",
             hostname,
-            env.master_addr,
+            target,
         )
         return None
     environ["GLOO_SOCKET_IFNAME"] = ifname
@@ -157,9 +170,27 @@ def fix_loopback_ifname(env: DistEnv, environ: MutableMapping[str, str]) -> str 
         "to %s) so peers do not dial 127.0.0.1",
         hostname,
         ifname,
-        env.master_addr,
+        target,
     )
     return ifname
+
+
+def _peer_address(env: DistEnv, environ: Mapping[str, str], hostname: str) -> str | None:
+    """A node of this job other than this one that resolves to a real address (Slurm's node list)."""
+    from ddp_slurm.dist.env import expand_hostlist
+
+    text = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not text:
+        return None
+    try:
+        hosts = expand_hostlist(text)
+    except BootstrapError:
+        return None
+    short = hostname.split(".")[0]
+    for host in hosts:
+        if host.split(".")[0] != short and not _is_loopback(host):
+            return host
+    return None
 
 
 def _rendezvous_error(env: DistEnv, timeout_s: float, exc: Exception) -> RendezvousError:
@@ -246,16 +277,12 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 300
         )
         return device, backend
     try:
-        # tcp:// rather than our own TCPStore: torch then reuses torchrun's agent store when
-        # TORCHELASTIC_USE_AGENT_STORE says so, instead of fighting it for the port.
-        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
+        # Our own store (rdzv.job_store): bound to the rendezvous address only and keyed by a per-job
+        # secret, so that nobody outside the job can join it or plant keys; it connects to torchrun's
+        # agent store where TORCHELASTIC_USE_AGENT_STORE says so, as torch's tcp:// would.
+        store = rdzv.job_store(env, timeout, os.environ)
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-            device_id=device_id,
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, device_id=device_id
         )
     except (RuntimeError, ValueError) as exc:  # DistError subclasses RuntimeError
         raise _rendezvous_error(env, timeout_s, exc) from exc

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from ddp_slurm.dist import rdzv
+
 log = logging.getLogger(__name__)
 
 ENDED = "ended"  # the heartbeat value of a rank that left on its own (it saw the failure too)
@@ -261,7 +263,8 @@ def watch(
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun restarts reuse the agent's store
     try:
-        store = PrefixStore(f"ddp_slurm/watchdog/{attempt}/", _store_client(env, op_timeout_s))
+        secret = rdzv.job_secret(env, os.environ)  # the job's own keys: nobody outside can fake a heartbeat
+        store = PrefixStore(f"{secret}/ddp_slurm/watchdog/{attempt}/", _store_client(env, op_timeout_s))
         dog = Watchdog(store, env.rank, env.world_size, f"{env.master_addr}:{env.master_port}", agent_store)
         if stall_s is not None:
             from ddp_slurm.dist.stall import StallCheck

@@ -10,6 +10,7 @@ A requeued job is not over: it goes back to PENDING, its log is appended to, and
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
@@ -20,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddp_slurm import safefs
 from ddp_slurm.exitcodes import EXIT_STOPPED
 from ddp_slurm.launch.sweep import summarize
+
+log = logging.getLogger(__name__)
 
 # Job states after which Slurm will not run the job again (a requeued job goes back to PENDING).
 _ENDED = {
@@ -92,10 +96,23 @@ def task_results(job: Any) -> list[tuple[str, Any] | None]:
     for task in range(job.num_tasks):
         path = job.task(task).paths.result_pickle
         try:
-            out.append(pickle_load(path) if path.exists() else None)
+            out.append(pickle_load(path) if path.exists() and _trusted(path) else None)
         except (EOFError, OSError):  # being written right now
             out.append(None)
     return out
+
+
+def _trusted(path: Path) -> bool:
+    """Unpickling runs code: only a result file that no other user could have written or replaced (this
+    user's, in this user's folder, neither writable by group or others) is read. Otherwise the outcome is
+    taken from the run directory's metrics (``outcome`` falls back to it) and a warning says why."""
+    try:
+        safefs.check_trusted(path.parent, use="unpickle results from")
+        safefs.check_trusted(path, use="unpickle")
+    except safefs.UnsafePath as exc:
+        log.warning("not reading the result file: %s", exc)
+        return False
+    return True
 
 
 def is_active(job: Any, cluster: str, seen_ended: dict[str, int]) -> bool:

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ddp_slurm import safefs
 from ddp_slurm.exitcodes import EXIT_STOPPED
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
@@ -93,6 +94,7 @@ class TrainJob:
 
     def __call__(self) -> dict[str, Any]:
         stop = StopFlag(parse_signal(self.signal)).install()  # first: no signal may reach submitit's handlers
+        safefs.tighten_umask()  # the result file submitit writes after we return: not writable by others
         import submitit
 
         job_env = submitit.JobEnvironment()

@@ -27,6 +27,8 @@ from ddp_slurm.launch import sweep
 from ddp_slurm.launch.job import TrainJob
 from ddp_slurm.train import runname
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 # Options that are config keys: flag attribute -> dotted key.
 FLAG_KEYS = {
     "nodes": "slurm.nodes",
@@ -99,7 +101,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--cluster debug runs one task in this process, not {tasks}: use --cluster local for several")
     if args.dry_run and args.cluster != "slurm":
         raise UsageError(f"--dry-run prints the sbatch script of a Slurm job: drop --cluster {args.cluster}")
+    if cfg.slurm.signal_delay_s >= cfg.slurm.time_min * 60:
+        raise UsageError(
+            f"--signal-delay {cfg.slurm.signal_delay_s} s is not shorter than --time {cfg.slurm.time_min} min: "
+            "the stop signal would come before the job could train; lower --signal-delay or raise --time"
+        )
     root = Path(os.path.abspath(os.path.expanduser(cfg.run.output_root))) / cfg.run.name
+    # The run directory (from the working directory too) becomes #SBATCH lines and file names.
+    for what, text in (("the run directory", str(root)), ("the config file", str(cfg_path or ""))):
+        if _CONTROL.search(text):
+            raise UsageError(f"{what} {text!r} holds control characters: run from a directory without them")
     head = ["--config", str(cfg_path)] if cfg_path else []
     if args.sweep:
         if (root / "config.yaml").exists():

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ddp_slurm import slurm_time
+from ddp_slurm import safefs, slurm_time
 from ddp_slurm.config import ConfigError
 from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.launch import sweep
@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(sbatch_script(plan), end="")
         return 0
+    # submitit's folders and result files: not writable by the group, so that --wait may unpickle them.
+    safefs.tighten_umask(plan.cfg.run.shared)
     new = next((d for d in reversed([plan.root, *plan.root.parents]) if not d.exists()), None)
     try:
         jobs = submit(plan, args.cluster)

@@ -41,6 +41,7 @@ from pathlib import Path
 from types import FrameType
 
 from ddp_slurm.exitcodes import EXIT_STOPPED
+from ddp_slurm.train.signals import StopFlag
 
 log = logging.getLogger("ddp_slurm.launch")
 
@@ -128,9 +129,14 @@ def wants_help(argv: list[str]) -> bool:
     return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run torchrun with ``argv`` (default: the command line); returns the exit status."""
-    SignalForwarder().install()  # first: until this line SIGUSR2 would kill the agent
+def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
+    """Run torchrun with ``argv`` (default: the command line); returns the exit status.
+
+    ``early``: the flag ``python -m ddp_slurm.launch`` installed as its first instruction; a stop signal
+    that arrived before any worker was started ends the launch with exit 75 (nothing to lose yet).
+    """
+    if early is None:
+        SignalForwarder().install()  # first: until this line SIGUSR2 would kill the agent
     args = sys.argv[1:] if argv is None else list(argv)
     if wants_help(args):  # our own help, without importing torch (torchrun's would take seconds)
         sys.stdout.write(HELP)
@@ -164,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + sig
         return 0
 
-    return launch(torchrun.parse_args(args))
+    parsed = torchrun.parse_args(args)
+    if early is not None:  # it recorded every stop signal while torch was imported
+        early.restore()  # torchrun's agent takes TERM, INT and HUP (and passes them to the workers)
+        SignalForwarder().install()
+    if early is not None and early.received:
+        names = ", ".join(signal.Signals(s).name for s in early.received)
+        log.info("%s before any worker started: nothing to save; exit %d (launch again)", names, EXIT_STOPPED)
+        return EXIT_STOPPED
+    return launch(parsed)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ the world size between launches. matplotlib's object API on an Agg canvas: no di
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ddp_slurm import safefs
 
 if TYPE_CHECKING:
     from ddp_slurm.tools.report import Run
@@ -26,9 +27,8 @@ def _figure(panels: int):
 
 
 def _save(fig: Any, out: Path) -> Path:
-    tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, out)  # a reader (or a browser refreshing it) never sees half a file
+    # Atomic (a reader, or a browser refreshing it, never sees half a file) and never through a symlink.
+    safefs.write_atomic(out, lambda f: fig.savefig(f, format="png"))
     return out
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import reprlib
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,6 @@ from ddp_slurm import config
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 from ddp_slurm.launch import sweep
 from ddp_slurm.tools import figures, jobacct
-from ddp_slurm.train import metrics
 
 
 class ReportError(RuntimeError):
@@ -61,10 +62,8 @@ def load(run_dir: Path) -> Run:
     run = Run(run_dir, batch)
     train: dict[int, dict[str, Any]] = {}
     evals: dict[int, dict[str, Any]] = {}
-    for row in metrics.read(path):
-        kind, step = row.get("kind"), row.get("step")
-        if not isinstance(step, int):
-            continue
+    for row in _rows(path):
+        kind, step = row["kind"], row["step"]
         run.last = row
         if kind == "start":
             # Resumed at `step`: whatever an earlier launch logged after it was redone (or never
@@ -87,6 +86,51 @@ def load(run_dir: Path) -> Run:
     run.train = [train[s] for s in sorted(train)]
     run.evals = [evals[s] for s in sorted(evals)]
     return run
+
+
+# Fields a metrics line may have, and their types: anything else is not a file this program wrote.
+_NUMBER = (int, float)
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "kind": (str,),
+    "step": (int,),
+    "epoch": (int,),
+    "time_s": _NUMBER,
+    "loss": _NUMBER,
+    "samples_per_s": _NUMBER,
+    "accuracy": _NUMBER,
+    "world_size": (int,),
+    "restart_count": (int,),
+}
+
+
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``, each checked: a line that is not a JSON object with the documented
+    fields and types is a ReportError naming the line (a half-written last line is skipped)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise ReportError(f"{path} cannot be read: {exc.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue  # a half-written line (a run still going, or killed)
+        where = f"{path} line {number}"
+        if not isinstance(row, dict):
+            raise ReportError(
+                f"{where} is a JSON {type(row).__name__}, not an object: not a metrics file of this program"
+            )
+        for key, types in _FIELDS.items():
+            value = row.get(key)
+            if (key in ("kind", "step") or value is not None) and (
+                not isinstance(value, types) or isinstance(value, bool)
+            ):
+                raise ReportError(
+                    f"{where}: {key!r} is {reprlib.repr(value)}, expected {' or '.join(t.__name__ for t in types)}; "
+                    "not a metrics file of this program"
+                )
+        yield row
 
 
 def summary(run: Run) -> str:
@@ -172,13 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     lines = [summary(run) for run in runs]
     if not args.no_accounting:
         lines += [jobacct.describe(j) for run in runs for j in jobacct.job_ids(run.run_dir, run.starts)]
-    if len(runs) == 1:
-        figures.plot_run(runs[0], out, f"{runs[0].run_dir.name}: {lines[0].splitlines()[0].split(': ', 1)[1]}")
-    else:
-        names = [str(os.path.relpath(d, out.parent)) if len(args.paths) == 1 else str(d) for d in run_dirs]
-        figures.plot_overlay(
-            runs, names, out, f"{len(runs)} runs" + (f" of {args.paths[0]}" if len(args.paths) == 1 else "")
+    try:
+        if len(runs) == 1:
+            figures.plot_run(runs[0], out, f"{runs[0].run_dir.name}: {lines[0].splitlines()[0].split(': ', 1)[1]}")
+        else:
+            names = [str(os.path.relpath(d, out.parent)) if len(args.paths) == 1 else str(d) for d in run_dirs]
+            figures.plot_overlay(
+                runs, names, out, f"{len(runs)} runs" + (f" of {args.paths[0]}" if len(args.paths) == 1 else "")
+            )
+    except OSError as exc:
+        print(
+            f"ddp_slurm.report: error: cannot write {out}: {exc.strerror or exc}; choose another --output",
+            file=sys.stderr,
         )
+        return EXIT_USAGE
     print("\n".join(lines) + f"\nplots: {out}")
     return EXIT_OK
 

@@ -2,6 +2,11 @@
 
 import sys
 
-from ddp_slurm.train.cli import main
+# First, before torch is imported (seconds): a stop signal from here on is a clean stop, not death.
+from ddp_slurm.train.signals import StopFlag
 
-sys.exit(main())
+stop = StopFlag.early()
+
+from ddp_slurm.train.cli import main  # noqa: E402
+
+sys.exit(main(stop=stop))  # leaves through entry.exit_now once training has run

@@ -7,21 +7,29 @@ ones pruned to ``keep``.
 
 Reading: ``torch.load(weights_only=True)`` (a tampered file cannot run code), then a structural check
 and a SHA-256 over every tensor's bytes and every plain value, recorded at save time. A zip container
-does not notice a flipped bit inside tensor data (nor in the pickled step or epoch); the digest does. ``load_latest`` walks from the newest step down and
-returns the first checkpoint that passes, warning about each one it skips.
+does not notice a flipped bit inside tensor data (nor in the pickled step or epoch); the digest does.
+``latest`` walks from the newest step down and returns the first checkpoint that passes, holds the
+step its name says and is accepted by the run (``accept``: same config, same model, every entry the
+loop needs), warning about each one it skips. Pruning counts only files that load and hold the step
+their name says; anything else in the folder is left alone.
+
+What the digest does not do: it has no key, so anyone who can write the folder can write a file
+that passes. Checkpoints written by other users are kept out by ownership and modes
+(``safefs.check_trusted``), not by the digest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ddp_slurm import safefs
 
 log = logging.getLogger(__name__)
 
@@ -91,22 +99,6 @@ def content_digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _discard(tmp: Path) -> None:
-    """Remove a half-written temporary file; on a read-only file system even that fails (EROFS)."""
-    try:
-        tmp.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
 class _Sink:
     """The file object torch.save writes to, keeping the first OSError: torch's zip writer turns a
     failed write (ENOSPC, EDQUOT, EIO) into "unexpected pos 326144 vs 326036" and loses the reason."""
@@ -126,41 +118,76 @@ class _Sink:
         self._f.flush()
 
 
-def save(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
+def save(run_dir: Path, state: dict[str, Any], keep: int, shared: bool = False) -> Path:
     """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
 
+    The temporary file is created exclusively under an unguessable name and never through a symlink
+    (``safefs.write_atomic``); ``shared``: ``run.shared`` (file and directory modes).
     Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
     the disk fills up; a half-written temporary file is removed.
     """
     folder = checkpoint_dir(run_dir)
     final = folder / f"step-{state['step']}.pt"
-    tmp = folder / f".{final.name}.tmp-{os.getpid()}"
     state = dict(state, format=FORMAT)
     state["content_sha256"] = content_digest(state)
-    sink: _Sink | None = None
+    sinks: list[_Sink] = []
+
+    def write(f: Any) -> None:
+        sinks.append(_Sink(f))
+        torch.save(state, sinks[0])
+
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            sink = _Sink(f)
-            torch.save(state, sink)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(folder)
+        safefs.make_dir(folder, shared)
+        safefs.write_atomic(final, write, shared)
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
-        _discard(tmp)
-        exc = sink.error if sink is not None and sink.error is not None else exc
+        exc = sinks[0].error if sinks and sinks[0].error is not None else exc
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise CheckpointError(
             f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
             "free space or fix permissions, then launch again to resume"
         ) from None
-    except BaseException:  # anything else (a state pickle cannot write, KeyboardInterrupt): no half file left
-        _discard(tmp)
-        raise
-    for _, old in list_checkpoints(run_dir)[keep:]:
-        old.unlink(missing_ok=True)
+    prune(run_dir, keep, final)
     return final
+
+
+def _step_in_file(path: Path) -> int:
+    """The step a checkpoint file holds, read cheaply (memory-mapped, no tensor data touched);
+    ValueError when it does not load as a checkpoint at all."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise ValueError(f"unreadable ({type(exc).__name__})") from None
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("step"), int)
+        or not isinstance(state.get("model"), dict)
+    ):
+        raise ValueError("not a checkpoint of this program")
+    return state["step"]
+
+
+def prune(run_dir: Path, keep: int, newest: Path | None = None) -> None:
+    """Delete all but the ``keep`` newest checkpoints, ranked by the step *inside* each file.
+
+    Only files that load as checkpoints and whose in-file step matches their name are counted or
+    deleted: a junk ``step-999999999.pt`` (another tool's file, a half-finished copy) would otherwise
+    take a slot and get every new checkpoint deleted right after it is written. Such files are left
+    alone with a warning. ``newest`` (the file just written) is never deleted.
+    """
+    trusted: list[tuple[int, Path]] = []
+    for step, path in list_checkpoints(run_dir):
+        try:
+            inside = _step_in_file(path)
+        except ValueError as exc:
+            log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, exc)
+            continue
+        if inside != step:
+            log.warning("leaving %s alone (not counted for checkpoint.keep): it holds step %d", path, inside)
+            continue
+        trusted.append((step, path))
+    trusted.sort(key=lambda item: (item[1] == newest, item[0]), reverse=True)
+    for _, old in trusted[keep:]:
+        old.unlink(missing_ok=True)
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
@@ -197,16 +224,37 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def latest(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """``(path, state)`` of the newest checkpoint that loads and validates; None when there is none.
+def latest(
+    run_dir: Path, accept: Callable[[dict[str, Any]], None] | None = None, shared: bool = False
+) -> tuple[Path, dict[str, Any]] | None:
+    """``(path, state)`` of the newest checkpoint that loads, validates, holds the step its name says and
+    passes ``accept``; None when there is none. Each one skipped is named in a warning.
+
+    ``accept(state)`` is the run's own judgement (its config, the model's keys and shapes, the entries
+    the loop needs) and raises ValueError to skip the file: a copied or symlinked checkpoint of another
+    run then falls back to the previous valid one instead of being resumed or crashing the loop.
+    Before anything is read, the checkpoints folder and every file must pass ``safefs.check_trusted``
+    (``shared``: ``run.shared``); otherwise CheckpointError naming the file and the fix.
 
     Raises CheckpointError when checkpoints exist but none is usable: starting over silently would
     throw away the run's finished work.
     """
     candidates = list_checkpoints(run_dir)
-    for _, path in candidates:
+    try:
+        if candidates:
+            safefs.check_trusted(checkpoint_dir(run_dir), shared)
+        for _, path in candidates:
+            safefs.check_trusted(path, shared)
+    except safefs.UnsafePath as exc:
+        raise CheckpointError(str(exc)) from None
+    for step, path in candidates:
         try:
-            return path, load(path)
+            state = load(path)
+            if state["step"] != step:
+                raise ValueError(f"it holds step {state['step']}, not the step its name says")
+            if accept is not None:
+                accept(state)
+            return path, state
         except ValueError as exc:
             log.warning("skipping checkpoint %s: %s", path, exc)
     if candidates:
@@ -216,6 +264,63 @@ def latest(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
             "refusing to start over: move them away or choose a new run.name"
         )
     return None
+
+
+def require(*keys: str) -> Callable[[dict[str, Any]], None]:
+    """An ``accept`` for ``latest``: the state must hold each of ``keys`` (``"optimizer"``, ``"rng"``)."""
+
+    def accept(state: dict[str, Any]) -> None:
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ValueError(f"no {', '.join(map(repr, missing))} in it")
+
+    return accept
+
+
+def same_model(reference: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """An ``accept`` for ``latest``: the checkpoint's model has exactly the keys and tensor shapes of
+    ``reference`` (the freshly built model's ``state_dict()``)."""
+    want = {k: tuple(v.shape) for k, v in reference.items() if isinstance(v, torch.Tensor)}
+
+    def accept(state: dict[str, Any]) -> None:
+        got = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+        if got.keys() != want.keys():
+            extra, lost = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
+            raise ValueError(f"another model (keys only there: {extra[:3]}, keys missing: {lost[:3]})")
+        for k, shape in want.items():
+            if got[k] != shape:
+                raise ValueError(f"another model ({k} has shape {list(got[k])}, this model {list(shape)})")
+
+    return accept
+
+
+def same_config(cfg: Any) -> Callable[[dict[str, Any]], None]:
+    """An ``accept`` for ``latest``: the checkpoint's own config (``state["config"]``) may differ from
+    ``cfg`` only where a relaunch may (``config.incompatible_changes``, the same rule)."""
+    from ddp_slurm import config
+
+    def accept(state: dict[str, Any]) -> None:
+        saved = state.get("config")
+        if not isinstance(saved, dict):
+            raise ValueError("it records no config")
+        try:
+            diffs = config.incompatible_changes(config.from_dict(saved, "the checkpoint"), cfg)
+        except config.ConfigError as exc:
+            raise ValueError(f"its config is not valid here ({exc})") from None
+        if diffs:
+            raise ValueError(f"written by a run with another config ({'; '.join(diffs)})")
+
+    return accept
+
+
+def all_of(*checks: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """Several ``accept`` callables as one, run in order."""
+
+    def accept(state: dict[str, Any]) -> None:
+        for check in checks:
+            check(state)
+
+    return accept
 
 
 def load_latest(run_dir: str | Path) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ddp_slurm import __version__
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
+from ddp_slurm.train.signals import StopFlag
 
 PROG = "python -m ddp_slurm.train"
 
@@ -55,14 +56,18 @@ def print_config(argv: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, then either print the config or train (importing torch only then)."""
+def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
+    """Parse, then either print the config or train (importing torch only then). ``stop``: the flag the
+    entry point installed as its first instruction (``StopFlag.early``)."""
     args = parse_args(argv)
     if args.print_config or args.explain:
         return print_config(args)
     from ddp_slurm.train import entry
 
-    entry.exit_now(entry.main(argv))  # leaves the process (see exit_now)
+    code = entry.main(argv, stop=stop)
+    if stop is not None:
+        stop.close()  # main leaves a flag it was given to its caller (see signals.py on close())
+    entry.exit_now(code)  # leaves the process (see exit_now)
     return EXIT_OK  # not reached
 
 

@@ -83,6 +83,8 @@ def _main(config_file: Path | None, overrides: list[str], stop: StopFlag | None,
         task_cls = check_task(cfg, env, task)
         if stop is None:
             stop = StopFlag(parse_signal(cfg.slurm.signal))
+        else:  # installed early for every candidate signal: now only slurm.signal requeues
+            stop.configure(parse_signal(cfg.slurm.signal))
     except (ConfigError, BootstrapError) as exc:
         print(f"ddp_slurm.train: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

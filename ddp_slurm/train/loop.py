@@ -125,11 +125,19 @@ def train(
         cfg.run.name = runname.job_name(cfg, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
             env, lambda: runname.new_name(cfg)
         )
-    lock = rundir.RunLock(cfg.run_dir)
+    task = task_cls(
+        cfg.task_config,
+        Context(
+            env.rank, env.world_size, env.local_rank, device, cfg.run.seed, cfg.run_dir, cfg.train.global_batch_size
+        ),
+    )
+    lock = rundir.RunLock(cfg.run_dir, shared=cfg.run.shared)
     found: dict[str, Any] = {}
 
     def take_run_dir() -> Path | None:
-        latest = rundir.prepare(cfg, lock)
+        with torch.device("meta"):  # names and shapes only, no memory: what a resumable checkpoint must match
+            reference = task.build_model().state_dict()
+        latest = rundir.prepare(cfg, lock, reference)
         if latest is None:
             return None
         found["state"] = latest[1]
@@ -138,14 +146,14 @@ def train(
     try:
         path = on_rank0(env, take_run_dir)  # only the path travels: each rank reads the file itself
         resumed = None if path is None else found["state"] if env.rank == 0 else checkpoint.load(path)
-        return _train(cfg, task_cls, env, device, backend, stop, resumed, t0, dog, hosts)
+        return _train(cfg, task, env, device, backend, stop, resumed, t0, dog, hosts)
     finally:
         lock.release()
 
 
 def _train(
     cfg: Config,
-    task_cls: type[Task],
+    task: Task,
     env: DistEnv,
     device: torch.device,
     backend: str,
@@ -156,7 +164,7 @@ def _train(
     hosts: list[str],
 ) -> int:
     if resumed is not None and resumed["finished"]:
-        name, value = task_cls.best_metric, resumed.get("best", resumed.get("best_accuracy"))
+        name, value = task.best_metric, resumed.get("best", resumed.get("best_accuracy"))
         best = f" (best test {logs.metric(name, value)})" if name and value is not None else ""
         log.info("run %s already finished at step %d%s; nothing to do", cfg.run_dir, resumed["step"], best)
         return EXIT_OK
@@ -170,8 +178,6 @@ def _train(
         return EXIT_REQUEUE_CAP
 
     G, ws, tc = cfg.train.global_batch_size, env.world_size, cfg.train
-    ctx = Context(env.rank, ws, env.local_rank, device, cfg.run.seed, cfg.run_dir, G)
-    task = task_cls(cfg.task_config, ctx)
     on_rank0(env, task.prepare_data)  # downloads happen once; the other ranks wait for them
     batches = loader.make_batches(task.train_data(), device, cfg.run.seed, G, env.rank, ws, tc)
     eval_data = task.eval_data()
@@ -191,7 +197,7 @@ def _train(
     train_step = step.make_step(ddp, optimizer, scheduler, task.training_step, device, tc.precision)
 
     board = tb.open_for(cfg, cfg.run_dir, env.rank)  # log.tensorboard: the same records as TensorBoard events
-    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None, sinks=(board,))
+    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None, cfg.run.shared, sinks=(board,))
 
     def elapsed() -> float:
         return pos.elapsed_s + time.monotonic() - t0
@@ -218,7 +224,9 @@ def _train(
                     f"weights are not finite at step {pos.step}: not saving them; "
                     "the last good checkpoint is kept (lower train.lr?)"
                 )
-            log.info("checkpoint %s", checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep))
+            log.info(
+                "checkpoint %s", checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep, shared=cfg.run.shared)
+            )
 
         on_rank0(env, write)
         pos.last_saved = pos.step
@@ -307,7 +315,7 @@ def _train(
         return stop_on_signal(cfg, env, pos, requeue and not terminate, save, metrics, elapsed())
     if requeue or terminate:  # came during the last step or the final evaluation: the work is done, no requeue
         log.info("stop signal after the last step: the run is finished, its final checkpoint is on disk")
-    name = task_cls.best_metric
+    name = task.best_metric
     metrics.write("end", pos.step, pos.epoch, elapsed(), **({f"best_{name}": pos.best} if name else {}))
     metrics.close()
     best = f", best test {logs.metric(name, pos.best)}" if name and pos.best is not None else ""

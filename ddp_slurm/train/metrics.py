@@ -7,16 +7,24 @@ restarts). Kinds: ``start`` (each launch), ``train``, ``eval``, ``stop`` (stop s
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm import safefs
+
 
 class MetricsWriter:
-    def __init__(self, path: Path | None, sinks: tuple[Any, ...] = ()) -> None:
-        """``path=None`` (ranks other than 0) makes every call a no-op. ``sinks``: other writers with the same
+    def __init__(self, path: Path | None, shared: bool = False, sinks: tuple[Any, ...] = ()) -> None:
+        """``path=None`` (ranks other than 0) makes every call a no-op. The file is appended to across
+        launches, so it is opened without following a symlink and must be this user's plain file
+        (``safefs.open_owned``; ``shared``: ``run.shared``). ``sinks``: other writers with the same
         ``write``/``close`` (TensorBoard, ``train/tb.py``) that get every record too; None entries are skipped."""
-        self._file = open(path, "a", buffering=1) if path is not None else None
+        self._file = None
+        if path is not None:
+            fd = safefs.open_owned(path, os.O_WRONLY | os.O_APPEND, shared)
+            self._file = os.fdopen(fd, "a", buffering=1)
         self._sinks = [s for s in sinks if s is not None]
 
     def write(self, kind: str, step: int, epoch: int, time_s: float, **fields: Any) -> None:

@@ -1,0 +1,186 @@
+"""Files a run writes and reads on a file system other users share (``/project/<group>/...``).
+
+Writing: nothing the run writes follows a symlink or reuses a file somebody else put there first.
+New files are created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``) under a temporary name, fsynced
+and renamed into place (``write_atomic``); files that must be reopened across launches (the run
+lock, ``metrics.jsonl``) are opened with ``O_NOFOLLOW`` and refused unless they are plain files owned
+by this user (``open_owned``). A planted symlink, FIFO or foreign file is an ``UnsafePath`` error,
+never a write into somebody else's file.
+
+Modes: run directories are created ``0750`` and files ``0640`` (the group may read results, nobody
+else may read, only the owner may write); ``run.shared=true`` (a team run several users resume)
+makes them ``0770``/``0660``. The umask can only make them stricter.
+
+Reading for resume: ``check_trusted`` refuses a run directory, config or checkpoint owned by another
+user, or writable by others, or (unless ``run.shared``) writable by the group: whoever can write a
+checkpoint decides what the next launch loads. The checkpoints' SHA-256 digest has no key and only
+catches accidental corruption (a flipped bit, a truncated copy); against a writer with access, the
+only defence is this ownership and mode check.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+DIR_MODE, FILE_MODE = 0o750, 0o640
+SHARED_DIR_MODE, SHARED_FILE_MODE = 0o770, 0o660
+# O_NONBLOCK: opening a planted FIFO must fail or return at once, not hang the launch.
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_REOPEN = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class UnsafePath(RuntimeError):
+    """A path the run must not write or trust (symlink, not a plain file, foreign owner, loose mode)."""
+
+
+def modes(shared: bool) -> tuple[int, int]:
+    """(directory mode, file mode) for a private or a team (``run.shared``) run."""
+    return (SHARED_DIR_MODE, SHARED_FILE_MODE) if shared else (DIR_MODE, FILE_MODE)
+
+
+def make_dir(path: Path, shared: bool = False) -> None:
+    """Create ``path`` (and missing parents) with the run's directory mode; an existing entry must be a
+    real directory, not a symlink to one."""
+    path = Path(path)
+    dir_mode, _ = modes(shared)
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)  # output_root: the umask's mode, like any mkdir -p
+    try:
+        os.mkdir(path, dir_mode)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{path} is a {_kind(st.st_mode)}, not a directory: remove it or choose another run.name")
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    return "plain file" if stat.S_ISREG(mode) else "special file"
+
+
+def tighten_umask(shared: bool = False) -> None:
+    """For processes whose files a library creates (submitit's job folders and result pickles): never
+    group-writable (unless ``shared``) and never readable by others, whatever the login umask."""
+    old = os.umask(0o077)
+    os.umask(old | (0o007 if shared else 0o027))
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(final: Path) -> Path:
+    """A temporary name next to ``final``: unguessable, so nobody can plant it in advance."""
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def open_new(path: Path, shared: bool = False) -> int:
+    """A new file at ``path``, created exclusively, never through a symlink: returns the fd."""
+    return os.open(path, _NEW, modes(shared)[1])
+
+
+def write_atomic(final: Path, write: Callable[[IO[bytes]], None], shared: bool = False) -> None:
+    """``write(f)`` into an exclusive temporary file, fsync, rename onto ``final``, fsync the directory:
+    a reader sees the old file or the new one. ``final`` itself may exist (it is replaced, and a
+    symlink there is replaced, not followed). The temporary file is removed on any failure."""
+    final = Path(final)
+    tmp = temp_name(final)
+    try:
+        with os.fdopen(open_new(tmp, shared), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # read-only file system: nothing was created either
+            pass
+        raise
+    fsync_dir(final.parent)
+
+
+def open_owned(path: Path, flags: int, shared: bool = False) -> int:
+    """Open (creating if missing) a file that lives across launches, without following a symlink; it must
+    be a plain file owned by this user. ``flags``: the access mode (``os.O_RDWR``, ``os.O_WRONLY |
+    os.O_APPEND``)."""
+    try:
+        fd = os.open(path, flags | _REOPEN, modes(shared)[1])
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # ELOOP: a symlink there; ENXIO: a FIFO nobody reads
+            kind = _kind(os.lstat(path).st_mode)
+            raise UnsafePath(f"{path} is a {kind}, not a file this run wrote: remove it, then launch again") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(
+                f"{path} is a {_kind(st.st_mode)}, not a file this run wrote: remove it, then launch again"
+            )
+        if st.st_uid != os.geteuid() and not shared:
+            raise UnsafePath(
+                f"{path} belongs to uid {st.st_uid}, not to you: remove it (or set run.shared=true for a team run)"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_trusted(path: Path, shared: bool = False, use: str = "resume from") -> None:
+    """Refuse to resume from ``path`` (a run directory, its config, a checkpoint or its folder) when
+    someone else could have written it: a symlink, another owner, writable by others, or writable by
+    the group (allowed with ``run.shared``, where the group is trusted and files may be a teammate's).
+    ``use``: what was about to happen, for the message."""
+    path = Path(path)
+    st = os.lstat(path)
+    fix = f"chmod go-w {path}"
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"refusing to {use} {path}: it is a symlink; replace it with the real directory or file")
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafePath(f"refusing to {use} {path}: it is writable by every user; {fix} if its content is yours")
+    if shared:
+        if st.st_uid != os.geteuid() and st.st_gid not in _my_groups():
+            raise UnsafePath(
+                f"refusing to {use} {path}: owned by uid {st.st_uid}, group {st.st_gid}, neither "
+                "yours nor one of your groups; choose another run.name"
+            )
+        return
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(
+            f"refusing to {use} {path}: owned by uid {st.st_uid}, not by you; copy the run to a "
+            "directory of your own, or set run.shared=true for a team run"
+        )
+    if st.st_mode & stat.S_IWGRP:
+        raise UnsafePath(
+            f"refusing to {use} {path}: it is writable by the group; {fix}, or set run.shared=true for a team run"
+        )
+
+
+def _my_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
+def check_run_dir(run_dir: Path, shared: bool = False) -> None:
+    """``check_trusted`` on an existing run directory and what a resume reads from it."""
+    run_dir = Path(run_dir)
+    for path in (run_dir, run_dir / "config.yaml", run_dir / "checkpoints"):
+        if path == run_dir or os.path.lexists(path):
+            check_trusted(path, shared)
