@@ -166,7 +166,7 @@ class Config:
     @property
     def run_dir(self) -> Path:
         if self.run.name is None:
-            raise ValueError("run.name is not chosen yet (ddp_slurm.train.rundir names new runs)")
+            raise ValueError("run.name is not chosen yet (ddp_slurm.train.runname names new runs)")
         return Path(self.run.output_root) / self.run.name
 
     def sections(self) -> dict[str, Any]:
@@ -596,6 +596,7 @@ def read_resolved(path: Path) -> Config:
 # Runtime keys that may differ between the launches of one run: they change how it runs, not what it
 # computes. A task marks its own with ``checked(..., resumable=True)``.
 RESUMABLE_CHANGES = (
+    "run.name",  # a moved or renamed run directory computes the same thing
     "run.output_root",
     "train.log_every_steps",
     "train.log_every_s",

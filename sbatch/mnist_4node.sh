@@ -84,6 +84,8 @@ CONFIG=${FOUND:-$("$PYTHON" -c 'from ddp_slurm.launch.init import asset; print(a
 if [ "${1:-}" = --config ]; then
     CONFIG=$2
     shift 2
+elif printf '%s\n' "$@" | grep -q '^task='; then
+    CONFIG=  # another task (task=...): its own defaults, not the MNIST job config
 elif [ ! -f "$CONFIG" ]; then
     echo "error: cannot find jobs/mnist.yaml: submit from the project directory (or one made by \`ddp-slurm init DIR\`), or pass --config FILE" >&2
     exit 2
@@ -107,7 +109,7 @@ echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_N
 #   waiting in a collective until a timeout.
 # --cpus-per-task: spelled out because srun of some Slurm versions (22.05) ignores the job's value.
 srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-    "$PYTHON" -m ddp_slurm.train --config "$CONFIG" "$@"
+    "$PYTHON" -m ddp_slurm.train ${CONFIG:+--config} ${CONFIG:+"$CONFIG"} "$@"
 status=$?
 # 0: finished. 75: stopped on the signal after a checkpoint (the job is already requeued when
 # rank 0 could do it). Anything else: a failure, the reason is in the lines above.

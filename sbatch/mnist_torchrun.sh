@@ -87,6 +87,8 @@ CONFIG=${FOUND:-$("$PYTHON" -c 'from ddp_slurm.launch.init import asset; print(a
 if [ "${1:-}" = --config ]; then
     CONFIG=$2
     shift 2
+elif printf '%s\n' "$@" | grep -q '^task='; then
+    CONFIG=  # another task (task=...): its own defaults, not the MNIST job config
 elif [ ! -f "$CONFIG" ]; then
     echo "error: cannot find jobs/mnist.yaml: submit from the project directory (or one made by \`ddp-slurm init DIR\`), or pass --config FILE" >&2
     exit 2
@@ -122,7 +124,7 @@ srun --kill-on-bad-exit=1 --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --
     "$PYTHON" -m ddp_slurm.launch \
         --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC" \
         --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
-        -m ddp_slurm.train --config "$CONFIG" "$@"
+        -m ddp_slurm.train ${CONFIG:+--config} ${CONFIG:+"$CONFIG"} "$@"
 status=$?
 # 0: finished. 75: stopped on the signal after a checkpoint (the job is already requeued when
 # rank 0 could do it). Anything else: a failure, the reason is in the lines above.

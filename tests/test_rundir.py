@@ -43,7 +43,7 @@ def test_a_directory_without_checkpoints_takes_new_settings(tmp_path: Path, firs
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         lock = rundir.RunLock(cfg.run_dir)
         try:
-            assert rundir.prepare(cfg, lock) is None
+            assert rundir.prepare(cfg, lock, {}) is None
         finally:
             lock.release()
     assert config.read_resolved(tmp_path / "r" / "config.yaml").train.epochs == 2

@@ -83,7 +83,7 @@ def test_a_checkpoint_whose_name_lies_about_its_step_is_neither_counted_nor_resu
 def test_checkpoint_of_another_config_falls_back_to_the_previous_valid_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = config.Config()
+    cfg = config.Config(run=config.RunConfig(name="r"))
     state = make_state(step=0)  # its "config" is config.Config().to_dict()
     checkpoint.save(tmp_path, dict(state, step=10), keep=5)
     other = config.Config()
@@ -125,7 +125,7 @@ def test_when_no_checkpoint_is_accepted_the_run_refuses_to_start_over(tmp_path: 
 
 # --------------------------------------------------------------------------- 3. owners and modes
 def test_files_and_directories_get_private_modes_whatever_the_umask(tmp_path: Path, umask_002) -> None:
-    cfg = config.Config()
+    cfg = config.Config(run=config.RunConfig(name="r"))
     cfg.run.output_root = str(tmp_path)
     safefs.make_dir(cfg.run_dir)
     checkpoint.save(cfg.run_dir, make_state(step=10), keep=2)
@@ -252,7 +252,7 @@ def test_damaged_run_directory_config_is_one_config_error_naming_it(tmp_path: Pa
 
 
 def test_dump_is_durable_and_leaves_no_temporary_file(tmp_path: Path) -> None:
-    cfg = config.Config()
+    cfg = config.Config(run=config.RunConfig(name="r"))
     config.dump(cfg, tmp_path / "config.yaml")
     config.dump(cfg, tmp_path / "config.yaml")  # over an existing one
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]

@@ -212,7 +212,9 @@ def mnist_trainer(model_name: str, global_batch: int, rank: int, world: int, dev
     from ddp_slurm.train.task import Context
 
     cfg = config.load(overrides=[f"model.name={model_name}", f"train.global_batch_size={global_batch}"])
-    task = MNIST(cfg.task_config, Context(rank, world, rank, device, cfg.run.seed, cfg.run_dir, global_batch))
+    task = MNIST(
+        cfg.task_config, Context(rank, world, rank, device, cfg.run.seed, Path(cfg.run.output_root), global_batch)
+    )
     batches = loader.InMemory(task.train_data(), device, cfg.run.seed, global_batch, rank, world)
     torch.manual_seed(cfg.run.seed)
     model = task.build_model().to(device)

@@ -27,7 +27,7 @@ from ddp_slurm.train import checkpoint, determinism, loader, logs, rundir, runna
 from ddp_slurm.train.metrics import MetricsWriter
 from ddp_slurm.train.precision import check_precision
 from ddp_slurm.train.signals import StopFlag
-from ddp_slurm.train.task import Context, Task
+from ddp_slurm.train.task import Context, Task, Tensors
 
 log = logging.getLogger("ddp_slurm")
 
@@ -181,6 +181,8 @@ def _train(
     on_rank0(env, task.prepare_data)  # downloads happen once; the other ranks wait for them
     batches = loader.make_batches(task.train_data(), device, cfg.run.seed, G, env.rank, ws, tc)
     eval_data = task.eval_data()
+    if isinstance(eval_data, Tensors):
+        eval_data = eval_data.to(device)  # in memory: moved once, like the training tensors
     total_steps = tc.epochs * batches.steps_per_epoch
     total_steps = min(total_steps, tc.max_steps) if tc.max_steps is not None else total_steps
 
