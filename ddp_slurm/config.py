@@ -76,6 +76,11 @@ class CheckpointConfig:
     """Steps between checkpoints (0: only at epoch ends, the end of training and on a stop signal)."""
     keep: int = 3
     """How many of the newest checkpoints to keep."""
+    async_save: bool = field(default=True, metadata={"key": "async"})
+    """``checkpoint.async`` (YAML key ``async``; ``async_save`` only in Python, where ``async`` is a
+    keyword): rank 0 copies the state to host memory and a background thread writes it, so training
+    pauses only for the copy. Stop signals, the end of training and exit wait for the write to be
+    durable. Falls back to synchronous saving when a copy of the state would not fit in memory."""
 
 
 @dataclass
@@ -131,7 +136,11 @@ class Config:
         return Path(self.run.output_root) / self.run.name
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Sections of ``{key: value}``, keyed as in YAML (``checkpoint.async``, not ``async_save``)."""
+        return {
+            s.name: {_key(f): getattr(getattr(self, s.name), f.name) for f in dataclasses.fields(getattr(self, s.name))}
+            for s in dataclasses.fields(self)
+        }
 
 
 # Value checks beyond the type: key -> (predicate, what was expected).
@@ -156,6 +165,17 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.signal_delay_s": (lambda v: v >= 0, "an integer >= 0 (seconds)"),
     "slurm.max_requeues": (lambda v: v >= 0, "an integer >= 0"),
 }
+
+
+def _key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and on the command line: its name, or ``metadata["key"]`` where the
+    key is a Python keyword (``checkpoint.async`` is the field ``async_save``)."""
+    return f.metadata.get("key", f.name)
+
+
+def _field_names(cls: type) -> dict[str, str]:
+    """``{key: field name}`` of a section."""
+    return {_key(f): f.name for f in dataclasses.fields(cls)}
 
 
 def _describe(tp: Any) -> str:
@@ -215,7 +235,7 @@ def _sections() -> dict[str, type]:
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     sections = _sections()
     section, _, name = key.partition(".")
-    all_keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
+    all_keys = [f"{s}.{_key(f)}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
     if section not in sections:
         hint = _suggest(key, all_keys) or f" (sections are {', '.join(sections)})"
         raise ConfigError(f"unknown config section {section!r} (key {key!r}) in {where}{hint}")
@@ -223,8 +243,9 @@ def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
         raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, all_keys)}")
     cls = sections[section]
     hints = typing.get_type_hints(cls)
-    if name not in hints:
+    if name not in _field_names(cls):
         raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, all_keys)}")
+    name = _field_names(cls)[name]
     try:
         coerced = _coerce(value, hints[name])
     except TypeError:
@@ -313,7 +334,7 @@ def _wants_text(key: str) -> bool:
     """True when ``key`` is a string field (possibly optional): a number typed for it is its text."""
     section, _, name = key.partition(".")
     cls = _sections().get(section)
-    tp = typing.get_type_hints(cls).get(name) if cls else None
+    tp = typing.get_type_hints(cls).get(_field_names(cls).get(name, "")) if cls else None
     return tp is str or (typing.get_origin(tp) is not Literal and str in typing.get_args(tp))
 
 
