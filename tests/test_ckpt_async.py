@@ -45,11 +45,17 @@ def small_state(step: int, value: float = 1.0) -> dict[str, Any]:
 # ---------------------------------------------------------------- the component, in-process
 
 
-def test_snapshot_holds_the_values_of_the_save_call_not_later_ones(tmp_path: Path) -> None:
+@pytest.fixture(params=["process", "thread"])
+def writer(request) -> str:
+    """Both writers: a forked process (the default) and a thread (the fallback without fork)."""
+    return request.param
+
+
+def test_snapshot_holds_the_values_of_the_save_call_not_later_ones(tmp_path: Path, writer: str) -> None:
     """The caller changes its tensors and plain values in place right after save() returns (the next
     optimizer step does): the checkpoint holds the values as they were at the call."""
     state = small_state(5, value=1.0)
-    ckpt = AsyncCheckpointer(tmp_path, keep=3)
+    ckpt = AsyncCheckpointer(tmp_path, keep=3, writer=writer)
     assert ckpt.save(state) is None and ckpt.in_flight
     state["model"]["w"].add_(100.0)
     state["optimizer"]["state"][0]["exp_avg"].mul_(0)
@@ -75,10 +81,10 @@ def test_buffers_are_reused_and_dropped_when_the_layout_changes() -> None:
     assert snap.held_bytes == 12  # the old layout's buffers are gone: never two copies held
 
 
-def test_at_most_one_write_in_flight(tmp_path: Path) -> None:
+def test_at_most_one_write_in_flight(tmp_path: Path, writer: str) -> None:
     """A second save waits for the first to be durable before it starts (bounded memory, ordered files)."""
     durable: list[tuple[str, float]] = []
-    ckpt = AsyncCheckpointer(tmp_path, keep=10, on_durable=lambda p, t: durable.append((p.name, t)))
+    ckpt = AsyncCheckpointer(tmp_path, keep=10, writer=writer, on_durable=lambda p, t: durable.append((p.name, t)))
     ckpt.save(small_state(1))
     ckpt.save(small_state(2))  # returns only once step-1 is on disk
     assert [name for name, _ in durable] == ["step-1.pt"]
@@ -88,8 +94,8 @@ def test_at_most_one_write_in_flight(tmp_path: Path) -> None:
     assert threading.active_count() == 1  # no writer thread left behind
 
 
-def test_poll_returns_a_finished_write_once_and_never_blocks(tmp_path: Path) -> None:
-    ckpt = AsyncCheckpointer(tmp_path, keep=3)
+def test_poll_returns_a_finished_write_once_and_never_blocks(tmp_path: Path, writer: str) -> None:
+    ckpt = AsyncCheckpointer(tmp_path, keep=3, writer=writer)
     assert ckpt.poll() is None  # nothing in flight
     ckpt.save(small_state(7))
     deadline = time.monotonic() + 60
@@ -101,19 +107,34 @@ def test_poll_returns_a_finished_write_once_and_never_blocks(tmp_path: Path) -> 
     assert ckpt.poll() is None and ckpt.wait() is None
 
 
+def test_supersede_cancels_an_older_write_in_a_process_and_waits_for_a_thread(tmp_path: Path, writer: str) -> None:
+    """A stop signal's save of a newer step: the process writer's in-flight write of an older step is
+    killed and its temporary file removed (the stop checkpoint then costs one write, not one and a
+    half); a thread cannot be killed, so its write completes first. Either way the newer step is
+    durable and nothing half-written stays."""
+    ckpt = AsyncCheckpointer(tmp_path, keep=10, writer=writer)
+    ckpt.save({**small_state(1), "big": torch.rand(32 * 2**20)})  # 128 MiB: still being written below
+    ckpt.save(small_state(2), supersede=True)
+    assert ckpt.wait() == tmp_path / "checkpoints" / "step-2.pt"
+    steps = [s for s, _ in checkpoint.list_checkpoints(tmp_path)]
+    assert steps == ([2] if writer == "process" else [2, 1])
+    assert checkpoint.latest(tmp_path)[1]["step"] == 2
+    assert not list((tmp_path / "checkpoints").glob(".*tmp*"))
+
+
 def test_disabled_saves_synchronously(tmp_path: Path) -> None:
     ckpt = AsyncCheckpointer(tmp_path, keep=3, enabled=False)
     assert ckpt.save(small_state(3)) == tmp_path / "checkpoints" / "step-3.pt"
     assert not ckpt.in_flight and checkpoint.load_latest(tmp_path)["step"] == 3
 
 
-def test_writer_failure_surfaces_on_the_next_poll_as_one_line(tmp_path: Path) -> None:
+def test_writer_failure_surfaces_on_the_next_poll_as_one_line(tmp_path: Path, writer: str) -> None:
     """The checkpoint directory cannot be created (a file is in its way): the writer's error is kept
     and raised by the next poll() as checkpoint.CheckpointError, once."""
     (tmp_path / "checkpoints").write_text("not a directory")
-    ckpt = AsyncCheckpointer(tmp_path, keep=3)
+    ckpt = AsyncCheckpointer(tmp_path, keep=3, writer=writer)
     ckpt.save(small_state(4))
-    ckpt._write.thread.join()  # the write is over (failed); poll must report it without blocking
+    ckpt._write.join()  # the write is over (failed); poll must report it without blocking
     assert ckpt.failed
     with pytest.raises(checkpoint.CheckpointError) as err:
         ckpt.poll()
@@ -123,8 +144,8 @@ def test_writer_failure_surfaces_on_the_next_poll_as_one_line(tmp_path: Path) ->
     ckpt.close()  # already raised: nothing more to say
 
 
-def test_close_waits_for_the_write(tmp_path: Path) -> None:
-    ckpt = AsyncCheckpointer(tmp_path, keep=3)
+def test_close_waits_for_the_write(tmp_path: Path, writer: str) -> None:
+    ckpt = AsyncCheckpointer(tmp_path, keep=3, writer=writer)
     ckpt.save({**small_state(9), "big": torch.rand(4 * 2**20)})  # 16 MiB: the write takes a while
     ckpt.close()
     assert checkpoint.load_latest(tmp_path)["step"] == 9 and not list((tmp_path / "checkpoints").glob(".*tmp*"))
@@ -219,9 +240,9 @@ ARGS = ["--state-mb", "48", "--steps", "60", "--every", "10", "--keep", "10"]
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_stop_signal_mid_write_waits_exits_75_and_resume_is_bit_identical(tmp_path: Path, nproc: int) -> None:
-    """SIGUSR2 while the step-20 write is in flight (to every process, as Slurm does): the write
-    completes, the stop step is saved and durable before exit 75, the newest checkpoint is that stop
-    step and valid, the relaunch resumes it, and the end state equals an uninterrupted run's."""
+    """SIGUSR2 while the step-20 write is in flight (to every rank, as Slurm does): the stop step is
+    saved (superseding the step-20 write) and durable before exit 75, the newest checkpoint is that
+    stop step and valid, the relaunch resumes it, and the end state equals an uninterrupted run's."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run_to_end(whole, *ARGS, nproc=nproc)
 
@@ -237,7 +258,8 @@ def test_stop_signal_mid_write_waits_exits_75_and_resume_is_bit_identical(tmp_pa
     else:  # torchrun exits 1 when its workers do not exit 0; its summary names each rank's code
         assert err.count(f"exitcode  : {EXIT_STOPPED}") == nproc, err
     durable = {e["step"]: e["t"] for e in w.events if e["event"] == "durable"}
-    assert begin["t"] < sent < durable[20], "the signal did not land while step 20 was being written"
+    # mid-write: after it began and before it was durable (or never, when the stop cancelled it)
+    assert begin["t"] < sent < durable.get(20, float("inf")), "the signal did not land while step 20 was written"
     [stopped] = {e["step"] for e in w.events if e["event"] == "stopped"}
     assert 20 < stopped < 60 and stopped in durable  # the stop step itself was made durable before exit
     newest = checkpoint.latest(parts)

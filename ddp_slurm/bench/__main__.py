@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
-from ddp_slurm.bench import common, ddp, limit, loader, startup, tta
+from ddp_slurm.bench import checkpoint, common, ddp, limit, loader, startup, tta
 from ddp_slurm.exitcodes import EXIT_USAGE
 
 COMMANDS = {
@@ -18,6 +18,7 @@ COMMANDS = {
     "ddp": (ddp, "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs communication"),
     "startup": (startup, "seconds to the first optimizer step of ddp_slurm.train vs `import torch`"),
     "tta": (tta, "seconds to a target test accuracy on the sample, over seeds"),
+    "checkpoint": (checkpoint, "per-checkpoint training stall, synchronous vs asynchronous (checkpoint.async)"),
 }
 
 

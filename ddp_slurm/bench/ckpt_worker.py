@@ -8,8 +8,9 @@ subject and the harness of the checkpoint tests, and it follows the sequence the
 
 - every step: ``ckpt.poll()``; a writer failure is folded into the ranks' per-step flag exchange, so
   every rank stops at the same step and rank 0 raises the one-line error (exit 1);
-- a stop signal: ``ckpt.wait()`` for the in-flight write, save the stop step unless it is the one
-  just written, ``ckpt.wait()`` again, then exit 75; the end of training: the final save, ``wait()``.
+- a stop signal: save the stop step unless it is the one just saved, with ``supersede=True`` (an
+  older step's write still in flight is cancelled, or waited for by a thread writer), ``ckpt.wait()``,
+  then exit 75; the end of training: the final save, ``wait()``.
 
 It prints one JSON line per event on stdout (``ready``, ``begin``, ``durable``, ``stopped``, ...) with
 ``t`` from ``time.monotonic()`` (one clock for every process of the host on Linux).
@@ -110,6 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--mode", choices=("async", "sync"), default="async")
+    p.add_argument("--writer", choices=("process", "thread"), default=None, help="async writer (default: ckpt_async's)")
     p.add_argument("--width", type=int, default=64, help="the small model's width (sets the step time)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -142,15 +144,16 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
         args.run_dir,
         args.keep,
         enabled=args.mode == "async",
+        writer=args.writer,
         on_durable=lambda path, t: emit("durable", path=str(path), step=int(path.stem.split("-")[1]), t=t),
     )
     last_saved = tr.step
 
-    def save(finished: bool = False) -> None:
+    def save(finished: bool = False, supersede: bool = False) -> None:
         nonlocal last_saved
         if rank == 0:
             emit("begin", step=tr.step, finished=finished)
-            ckpt.save(tr.state(finished))
+            ckpt.save(tr.state(finished), supersede=supersede)
         last_saved = tr.step
 
     emit("ready", step=tr.step, pid=os.getpid(), rank=rank)
@@ -174,12 +177,10 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
                 ckpt.wait()  # raises the writer's CheckpointError
             return EXIT_FAILURE
         if stopping:
+            if last_saved != tr.step:  # an older step's write still in flight is cancelled (process writer)
+                save(supersede=True)
             if rank == 0:
-                ckpt.wait()  # the in-flight write first: it must not be left half done
-            if last_saved != tr.step:
-                save()
-            if rank == 0:
-                ckpt.wait()
+                ckpt.wait()  # the stop step durable before any rank exits
             exchange([0.0], world)  # no rank exits 75 before the stop step is durable
             emit("stopped", step=tr.step)
             return EXIT_STOPPED

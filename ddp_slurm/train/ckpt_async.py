@@ -1,21 +1,25 @@
-"""Asynchronous checkpoints: training pauses only to copy the state to host memory.
+"""Asynchronous checkpoints: training pauses only until the state is frozen in host memory.
 
-``AsyncCheckpointer.save(state)`` copies every tensor of ``state`` into host buffers (pinned where the
-tensor lives on a GPU, so the copy is a DMA queued on the tensor's stream) and hands the copy to one
-background writer thread, which runs ``checkpoint.save``: the same digest, temporary file, fsync,
-rename and pruning as a synchronous save, so a reader or a relaunch after SIGKILL sees the previous
-checkpoints or the new one, never half a file.
+``AsyncCheckpointer.save(state)`` freezes the state and hands it to one background writer that runs
+``checkpoint.save``: the same digest, temporary file, fsync, rename and pruning as a synchronous
+save, so a reader or a relaunch after SIGKILL sees the previous checkpoints or the new one, never
+half a file. At most one write is in flight: ``save`` first waits for the previous write, so host
+memory never holds more than one extra copy of the state.
 
-At most one write is in flight: ``save`` first waits for the previous write, so host memory never
-holds more than one extra copy of the state. The buffers are kept and reused by the next save of a
-state with the same layout (allocating and first-touching gigabytes, pinned ones above all, costs more
-than copying into them).
-
-A thread, not a forked process: ``hashlib`` releases the GIL while it hashes, and file writes and
-``fsync`` release it while they wait for the disk, so the writer holds the GIL only for pickling the
-small plain values and for the moments between system calls (``python -m ddp_slurm.bench checkpoint``
-measures the slowdown of the training steps that run beside a write; see docs/checkpoints.md). A
-thread also needs no fork of a process that holds gloo/NCCL threads and CUDA state.
+The writer is a forked child process (``writer="process"``, the default where ``os.fork`` exists):
+- freezing costs only the fork: the child sees the state as it was, copy-on-write, and pages are
+  copied only as training changes them (at most one copy of the state, as a snapshot would be).
+  Tensors on a GPU are first copied to pinned host buffers (ckpt_snapshot), which the child reads;
+- the child has its own interpreter lock. A writer thread shares the training thread's: measured
+  with ``python -m ddp_slurm.bench checkpoint`` on a busy 2-core machine, steps running beside a
+  256 MiB write were 3-6x slower with a thread and 1.4-2.7x with a process (the rest is the disk
+  and the CPU the child needs), and the thread's total stall came out larger than a synchronous
+  save's (see docs/checkpoints.md);
+- a stop signal can cancel it (``save(state, supersede=True)`` kills an in-flight write of an older
+  step and removes its temporary file), so the stop checkpoint costs one write, not one and a half;
+- it dies with the training process (``PR_SET_PDEATHSIG``): a SIGKILLed rank leaves no orphan that
+  would finish a write after a relaunch has started.
+``writer="thread"`` (a snapshot copy, then a thread) is the fallback where there is no fork.
 
 Failures: an error in the writer (disk full, read-only file system) is kept and raised by the next
 ``poll()`` (call it every step), ``save()``, ``wait()`` or ``close()`` as one-line
@@ -24,111 +28,145 @@ Failures: an error in the writer (disk full, read-only file system) is kept and 
 
 from __future__ import annotations
 
-import copy
+import ctypes
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ddp_slurm.train import checkpoint
+from ddp_slurm.train.ckpt_snapshot import Snapshotter, available_memory, on_gpu, state_bytes
 
 log = logging.getLogger(__name__)
 
-# Asynchronous saving is skipped (a synchronous save instead, with one warning) when the state's copy
-# would leave less than this share of the host's available memory: swapping or the OOM killer would
-# cost far more than the stall that is saved.
+# Asynchronous saving is skipped (a synchronous save instead, with one warning) when a copy of the
+# state would take more than this share of the host's available memory: swapping or the OOM killer
+# would cost far more than the stall that is saved.
 MAX_SHARE_OF_AVAILABLE = 0.5
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+Writer = Literal["process", "thread"]
 
 
-def state_bytes(state: Any) -> int:
-    """Bytes of every tensor in ``state`` (nested dicts, lists, tuples)."""
-    return sum(t.numel() * t.element_size() for _, t in checkpoint._tensors(state))
-
-
-def available_memory() -> int | None:
-    """``MemAvailable`` of the host in bytes (Linux), None where the OS does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-class Snapshotter:
-    """Copies a nested state into host buffers it owns and reuses while the layout stays the same."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def release(self) -> None:
-        self._buffers.clear()
-
-    def copy(self, state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.cuda.Event]]:
-        """A copy of ``state`` whose tensors live in this snapshotter's host buffers, and the CUDA
-        events the writer must wait for (GPU copies are queued, not finished, when this returns)."""
-        events: list[torch.cuda.Event] = []
-        seen: set[str] = set()
-        snap = self._copy(state, "", events, seen)
-        for stale in set(self._buffers) - seen:  # a layout that changed: do not keep both copies
-            del self._buffers[stale]
-        return snap, events
-
-    def _copy(self, obj: Any, path: str, events: list[torch.cuda.Event], seen: set[str]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            seen.add(path)
-            return self._tensor(obj.detach(), path, events)
-        if isinstance(obj, dict):
-            return type(obj)((k, self._copy(v, f"{path}/{k}", events, seen)) for k, v in obj.items())
-        if isinstance(obj, list):
-            return [self._copy(v, f"{path}/{i}", events, seen) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(self._copy(v, f"{path}/{i}", events, seen) for i, v in enumerate(obj))
-        return copy.deepcopy(obj)  # plain values the loop may change after save() returns
-
-    def _tensor(self, t: torch.Tensor, path: str, events: list[torch.cuda.Event]) -> torch.Tensor:
-        buf = self._buffers.get(path)
-        cuda = t.device.type == "cuda"
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != cuda:
-            # pinned host memory only for GPU tensors: pinning pageable CPU memory buys nothing
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
-            self._buffers[path] = buf
-        if cuda:
-            buf.copy_(t, non_blocking=True)  # queued on the current stream, behind the step that made t
-            event = torch.cuda.Event()
-            event.record()
-            events.append(event)
-        else:
-            buf.copy_(t)
-        return buf
-
-
-@dataclass
 class _Write:
-    step: int
-    started: float
-    thread: threading.Thread = field(init=False)
-    path: Path | None = None
-    error: BaseException | None = None
-    done_at: float | None = None
+    """One write in flight: ``done()`` without blocking, ``join()``, then ``error`` (a one-line reason) or success."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.started = step, time.monotonic()
+        self.error: str | None = None
+        self.done_at: float | None = None
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def join(self) -> None:
+        raise NotImplementedError
+
+    def cancel(self, folder: Path) -> None:
+        """Stop the write if it can be stopped; wait for it otherwise."""
+        self.join()
+
+
+class _ThreadWrite(_Write):
+    def __init__(self, step: int, target: Callable[[], Path], events: list[torch.cuda.Event]) -> None:
+        super().__init__(step)
+        # Not a daemon: an interpreter that exits normally (an exception out of main) joins it first.
+        self._thread = threading.Thread(target=self._run, args=(target, events), name=f"ckpt-writer-{step}")
+        self._thread.start()
+
+    def _run(self, target: Callable[[], Path], events: list[torch.cuda.Event]) -> None:
+        try:
+            for event in events:
+                event.synchronize()
+            target()
+        except checkpoint.CheckpointError as exc:
+            self.error = str(exc)
+        except BaseException as exc:  # kept for the training thread: a thread's exception goes nowhere
+            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            self.done_at = time.monotonic()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+class _ProcessWrite(_Write):
+    def __init__(self, step: int, target: Callable[[], Path]) -> None:
+        super().__init__(step)
+        read, write = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: write, report, and leave without running any of the parent's cleanup
+            code = 1
+            try:
+                os.close(read)
+                _die_with(parent)
+                try:
+                    target()
+                    code = 0
+                except checkpoint.CheckpointError as exc:
+                    os.write(write, str(exc).encode()[:4000])
+                except BaseException as exc:
+                    os.write(write, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".encode())
+            finally:
+                os._exit(code)
+        os.close(write)
+        self.pid, self._read, self._status = pid, read, None
+
+    def done(self) -> bool:
+        if self._status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self._finish(status)
+        return self._status is not None
+
+    def join(self) -> None:
+        if self._status is None:
+            self._finish(os.waitpid(self.pid, 0)[1])
+
+    def cancel(self, folder: Path) -> None:
+        if self._status is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.join()
+        for tmp in folder.glob(f".step-{self.step}.pt.tmp-{self.pid}"):  # what the killed child left
+            tmp.unlink(missing_ok=True)
+
+    def _finish(self, status: int) -> None:
+        self._status, self.done_at = status, time.monotonic()
+        with os.fdopen(self._read, "rb") as f:
+            message = f.read().decode(errors="replace").strip()
+        if os.waitstatus_to_exitcode(status) != 0:
+            code = os.waitstatus_to_exitcode(status)
+            self.error = message or (f"the writer process was killed by signal {-code}" if code < 0 else f"exit {code}")
+
+
+def _die_with(parent: int) -> None:
+    """Linux: the kernel SIGKILLs this process when the thread that forked it dies, so a SIGKILLed rank
+    leaves no writer behind that would rename a checkpoint into place after a relaunch has started."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the writer may outlive a killed parent
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 class AsyncCheckpointer:
-    """Checkpoints written by a background thread; at most one in flight. Only the saving rank makes one.
+    """Checkpoints written in the background, at most one in flight. Only the saving rank makes one.
 
     ``enabled=False`` makes every ``save`` synchronous (``checkpoint.save`` in the caller's thread), so
-    the loop has one code path either way.
+    the loop has one code path either way. ``on_durable(path, monotonic_time)`` is called in the
+    caller's thread (by save, poll, wait or close) once per checkpoint that is on disk.
     """
 
     def __init__(
@@ -137,10 +175,12 @@ class AsyncCheckpointer:
         keep: int,
         enabled: bool = True,
         *,
+        writer: Writer | None = None,
         on_durable: Callable[[Path, float], None] | None = None,
     ) -> None:
         self.run_dir, self.keep, self.enabled = Path(run_dir), keep, enabled
-        self.on_durable = on_durable  # called in the caller's thread, by poll/wait, once per written file
+        self.writer: Writer = writer or ("process" if hasattr(os, "fork") else "thread")
+        self.on_durable = on_durable
         self._snap = Snapshotter()
         self._write: _Write | None = None
         self._warned_memory = False
@@ -151,35 +191,45 @@ class AsyncCheckpointer:
         return self._write is not None
 
     @property
+    def writer_pid(self) -> int | None:
+        """The process writing now (``writer="process"``), for measuring its memory."""
+        return self._write.pid if isinstance(self._write, _ProcessWrite) and self._write._status is None else None
+
+    @property
     def failed(self) -> bool:
         """The in-flight write has failed (not raised yet): for folding into the ranks' stop vote."""
         w = self._write
-        return w is not None and not w.thread.is_alive() and w.error is not None
+        return w is not None and w.done() and w.error is not None
 
-    def save(self, state: dict[str, Any]) -> Path | None:
+    def save(self, state: dict[str, Any], supersede: bool = False) -> Path | None:
         """Checkpoint ``state`` (``state['step']`` names the file). Waits for the previous write first
-        (raising its error). Returns the path when the save was synchronous, None when it was handed
-        to the writer (``wait()`` returns it once durable)."""
+        (raising its error), or with ``supersede`` (a stop signal: this state is newer) cancels it where
+        the writer is a process. Returns the path when the save was synchronous, None when it was handed
+        to the writer (``wait()`` returns the path once it is durable)."""
+        if supersede and self._write is not None and not self._write.done():
+            log.info("stop: cancelling the write of step %d for the newer step %d", self._write.step, state["step"])
+            self._write.cancel(checkpoint.checkpoint_dir(self.run_dir))
+            self._write = None
         self.wait()
+        step = int(state["step"])
         if not self.enabled or not self._fits(state):
             return self._durable(checkpoint.save(self.run_dir, state, self.keep), time.monotonic())
-        started = time.monotonic()
-        snap, events = self._snap.copy(state)
-        write = _Write(step=int(state["step"]), started=started)
-        # Not a daemon: an interpreter that exits normally (an exception out of main) joins it first,
-        # so no exit path leaves a write behind that the process could have finished.
-        write.thread = threading.Thread(
-            target=self._run, args=(write, snap, events), name=f"ckpt-writer-{write.step}", daemon=False
-        )
-        self._write = write
-        write.thread.start()
+        if self.writer == "process":
+            frozen = state
+            if on_gpu(state):  # the child can read host memory only: copy, and wait for the copy
+                frozen, events = self._snap.copy(state)
+                for event in events:
+                    event.synchronize()
+            self._write = _ProcessWrite(step, lambda: checkpoint.save(self.run_dir, frozen, self.keep))
+        else:
+            snap, events = self._snap.copy(state)
+            self._write = _ThreadWrite(step, lambda: checkpoint.save(self.run_dir, snap, self.keep), events)
         return None
 
     def poll(self) -> Path | None:
-        """Once per step: returns the path of a write that became durable since the last call (None
-        otherwise) and raises its CheckpointError if it failed. Never blocks."""
-        w = self._write
-        if w is None or w.thread.is_alive():
+        """Once per step: the path of a write that became durable since the last call (None otherwise);
+        raises its CheckpointError if it failed. Never blocks."""
+        if self._write is None or not self._write.done():
             return None
         return self._collect()
 
@@ -187,7 +237,7 @@ class AsyncCheckpointer:
         """Block until the in-flight write (if any) is durable; its path, or its CheckpointError."""
         if self._write is None:
             return None
-        self._write.thread.join()
+        self._write.join()
         return self._collect()
 
     def close(self) -> None:
@@ -204,38 +254,24 @@ class AsyncCheckpointer:
             return True
         if not self._warned_memory:
             log.warning(
-                "checkpoint.async: a copy of the state (%.0f MiB) would not fit in half the host's available "
-                "memory (%.0f MiB): saving synchronously",
+                "checkpoint.async: a copy of the state (%.0f MiB) would take more than half the host's "
+                "available memory (%.0f MiB): saving synchronously",
                 need / 2**20,
                 avail / 2**20,
             )
             self._warned_memory = True
         return False
 
-    def _run(self, write: _Write, snap: dict[str, Any], events: list[torch.cuda.Event]) -> None:
-        try:
-            for event in events:
-                event.synchronize()
-            write.path = checkpoint.save(self.run_dir, snap, self.keep)
-        except BaseException as exc:  # kept for the training thread: a thread's exception goes nowhere
-            write.error = exc
-        finally:
-            write.done_at = time.monotonic()
-
-    def _collect(self) -> Path | None:
+    def _collect(self) -> Path:
         w, self._write = self._write, None
         assert w is not None and w.done_at is not None
+        path = checkpoint.checkpoint_dir(self.run_dir) / f"step-{w.step}.pt"
         if w.error is not None:
-            if isinstance(w.error, checkpoint.CheckpointError):
-                raise checkpoint.CheckpointError(str(w.error)) from None
-            reason = str(w.error).splitlines()[0] if str(w.error) else ""
-            raise checkpoint.CheckpointError(
-                f"cannot write checkpoint step-{w.step}.pt in {checkpoint.checkpoint_dir(self.run_dir)}: "
-                f"{type(w.error).__name__}: {reason}; previous checkpoints are intact"
-            ) from None
-        assert w.path is not None
-        log.info("checkpoint %s written in the background (%.2f s after the save began)", w.path, w.done_at - w.started)
-        return self._durable(w.path, w.done_at)
+            if not w.error.startswith("cannot write checkpoint"):  # not checkpoint.save's own one line
+                w.error = f"cannot write checkpoint {path}: {w.error}; previous checkpoints are intact"
+            raise checkpoint.CheckpointError(w.error)
+        log.info("checkpoint %s written in the background (%.2f s after the save began)", path, w.done_at - w.started)
+        return self._durable(path, w.done_at)
 
     def _durable(self, path: Path, at: float) -> Path:
         if self.on_durable is not None:
