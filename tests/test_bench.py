@@ -257,3 +257,23 @@ def test_training_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "heavy:", res.stdout
+
+
+def test_checkpoint_smoke(tmp_path: Path) -> None:
+    """``bench checkpoint`` with a tiny state: every figure is there, positive where it must be, and
+    the JSON's stall_ratio is what its two stalls say."""
+    p, text = bench(tmp_path, "checkpoint", "--state-mb", "4", "--rounds", "1", "--width", "16", "--batch", "8")
+    assert p["params"]["state_mb"] == 4 and p["params"]["worlds"] == [1, 2]
+    assert set(p["worlds"]) == {"1", "2"} and set(p["writers"]) == {"process", "thread"}
+    for r in [*p["worlds"].values(), *p["writers"].values()]:
+        assert r["file_bytes"] > 4 * 2**20 * 0.99 and positive(r["step_s"]) and positive(r["snapshot_s"]["median"])
+        assert positive(r["sync_stall_s"]["median"]) and r["steps_during_write"] >= 1
+        assert r["async_peak_extra_rss_bytes"] >= 0
+    assert p["stall_ratio"] == pytest.approx(p["async_stall_s"] / p["sync_stall_s"])
+    assert positive(p["raw_write_mib_s"]) and positive(p["sync_save_mib_s"]) and positive(p["save_vs_raw"])
+    for mode in ("sync", "async"):
+        s = p["signal"][mode]
+        assert positive(s["signal_to_durable_s"]) and s["signal_to_exit_s"] >= s["signal_to_durable_s"] - 0.5
+        assert s["stop_step"] >= 40
+    assert not list(tmp_path.glob(".bench-checkpoint-*"))  # its scratch folder is gone
+    assert "world size 1" in text and "world size 2" in text and "stall_ratio" in text

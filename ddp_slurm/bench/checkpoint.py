@@ -79,11 +79,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_measure(args: argparse.Namespace, world: int, folder: Path) -> dict[str, Any]:
-    """Run the measuring worker at ``world`` ranks; rank 0's figures."""
+def launch_measure(args: argparse.Namespace, world: int, folder: Path, writer: str | None = None) -> dict[str, Any]:
+    """Run the measuring worker at ``world`` ranks (``writer``: ckpt_async's default when None); rank 0's figures."""
     port, procs, outs = _free_port(), [], []
+    tag = f"w{world}-{writer or 'default'}"
     for rank in range(world):
-        out, log = folder / f"w{world}-r{rank}.json", folder / f"w{world}-r{rank}.log"
+        out, log = folder / f"{tag}-r{rank}.json", folder / f"{tag}-r{rank}.log"
         env = common.child_env(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
@@ -94,8 +95,8 @@ def launch_measure(args: argparse.Namespace, world: int, folder: Path) -> dict[s
             OMP_NUM_THREADS="1",
         )
         cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_measure", "--out", str(out)]
-        cmd += ["--run-dir", str(folder / f"w{world}"), "--state-mb", str(args.state_mb), "--rounds", str(args.rounds)]
-        cmd += ["--width", str(args.width), "--batch", str(args.batch)]
+        cmd += ["--run-dir", str(folder / tag), "--state-mb", str(args.state_mb), "--rounds", str(args.rounds)]
+        cmd += ["--width", str(args.width), "--batch", str(args.batch)] + (["--writer", writer] if writer else [])
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
         outs.append((out, log))
@@ -113,7 +114,7 @@ def launch_measure(args: argparse.Namespace, world: int, folder: Path) -> dict[s
             tail = log.read_text().strip().splitlines()[-5:]
             why = f"exit {code}" if code is not None else f"no result after {args.timeout:g} s"
             raise common.BenchError(f"checkpoint worker rank {rank}/{world} failed ({why}): {' | '.join(tail)}")
-    shutil.rmtree(folder / f"w{world}", ignore_errors=True)
+    shutil.rmtree(folder / tag, ignore_errors=True)
     return json.loads(outs[0][0].read_text())
 
 
@@ -171,6 +172,10 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         nbytes = int(args.state_mb * 2**20)
         raw = [raw_write_s(folder, nbytes) for _ in range(args.rounds)]
         by_world = {str(w): launch_measure(args, w, folder) for w in worlds}
+        other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
+        # the other writer at the first world size, for the choice between them (ckpt_async's docstring)
+        writers = {by_world[str(worlds[0])]["writer"]: by_world[str(worlds[0])]}
+        writers[other] = launch_measure(args, worlds[0], folder, other)
         signals = {mode: signal_to_durable(args, folder, mode) for mode in ("sync", "async")}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -186,6 +191,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             "raw_write_s": common.summary(raw),
             "raw_write_mib_s": args.state_mb / raw_s,
             "worlds": by_world,
+            "writers": writers,
             "sync_stall_s": first["sync_stall_s"]["median"],
             "async_stall_s": first["async_stall_s"]["median"],
             "stall_ratio": first["async_stall_s"]["median"] / first["sync_stall_s"]["median"],
@@ -201,10 +207,14 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 
 def render(p: dict[str, Any]) -> str:
     rows = []
-    for w, r in p["worlds"].items():
+    runs = [(f"world size {w}, {r['writer']}", r) for w, r in p["worlds"].items()]
+    runs += [
+        (f"world size {r['world']}, {name}", r) for name, r in p["writers"].items() if r not in p["worlds"].values()
+    ]
+    for label, r in runs:
         rows.append(
             [
-                f"world size {w}",
+                label,
                 common.fmt(r["step_s"] * 1e3, 1),
                 common.fmt(r["sync_stall_s"]["median"], 3),
                 common.fmt(r["async_stall_s"]["median"], 3),
@@ -225,7 +235,7 @@ def render(p: dict[str, Any]) -> str:
     ]
     return common.table(
         f"checkpoint stall, {p['params']['state_mb']:g} MiB of state, in {p['directory']}",
-        ["", "step ms", "sync stall s", "async stall s", "copy s", "ratio", "steps in write", "extra RSS MiB"],
+        ["", "step ms", "sync stall s", "async stall s", "copy s", "ratio", "step slowdown", "extra RSS MiB"],
         rows,
         notes,
     )

@@ -15,6 +15,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,53 +35,38 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class PeakRss:
-    """Samples this process's RSS every 2 ms in a thread; ``peak`` is the highest seen."""
+def private_bytes(pid: int) -> int:
+    """Memory that only process ``pid`` holds (a forked writer: the pages training has changed since
+    the fork, which the kernel copied, and the writer's own allocations); 0 once it has exited."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) * 1024 for line in f if line.startswith(("Private_Clean", "Private_Dirty")))
+    except (OSError, ValueError, IndexError):
+        return 0
 
-    def __init__(self) -> None:
-        self.peak, self._stop = rss_bytes(), threading.Event()
+
+class PeakRss:
+    """Samples this process's RSS, plus a writer process's private memory, every 10 ms in a thread."""
+
+    def __init__(self, writer_pid: Callable[[], int | None]) -> None:
+        self.base, self.peak, self._stop = rss_bytes(), 0, threading.Event()
+        self._writer_pid = writer_pid
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def sample(self) -> int:
+        pid = self._writer_pid()
+        return rss_bytes() - self.base + (private_bytes(pid) if pid else 0)
+
     def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_bytes())
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.sample())
 
     def stop(self) -> int:
+        """The peak extra memory since the start."""
         self._stop.set()
         self._thread.join()
-        return max(self.peak, rss_bytes())
-
-
-class ForkWriter:
-    """For comparison only: the writer as a forked child (the state is shared copy-on-write, so there is
-    no copy; the child has its own GIL). Not what ddp_slurm uses: see ckpt_async's docstring."""
-
-    def __init__(self, run_dir: Path, keep: int) -> None:
-        self.run_dir, self.keep, self.pid = run_dir, keep, 0
-
-    def save(self, state: dict[str, Any]) -> None:
-        self.close()
-        pid = os.fork()
-        if pid == 0:  # the child: write, and leave without running any of the parent's cleanup
-            code = 1
-            try:
-                checkpoint.save(self.run_dir, state, self.keep)
-                code = 0
-            finally:
-                os._exit(code)
-        self.pid = pid
-
-    def poll(self) -> Path | None:
-        if self.pid and os.waitpid(self.pid, os.WNOHANG)[0]:
-            self.pid = 0
-            return self.run_dir
-        return None
-
-    def close(self) -> None:
-        if self.pid:
-            os.waitpid(self.pid, 0)
-            self.pid = 0
+        return max(self.peak, self.sample())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--writer", choices=("thread", "fork"), default="thread")
+    p.add_argument("--writer", choices=("process", "thread"), default=None, help="default: ckpt_async's")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(1)
@@ -128,12 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(SETTLE):
             step()
 
-    ckpt = AsyncCheckpointer(args.run_dir, keep=2) if args.writer == "thread" else ForkWriter(args.run_dir, 2)
+    ckpt = AsyncCheckpointer(args.run_dir, keep=2, writer=args.writer)
     stall: list[float] = []
     snapshot: list[float] = []
     steps_in_write: list[tuple[int, float]] = []
-    rss0 = rss_bytes()
-    peak = PeakRss()
+    peak = PeakRss(lambda: ckpt.writer_pid)
     for _ in range(args.rounds):
         barrier()
         t0 = time.perf_counter()
@@ -150,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         steps_in_write.append((n, end - t1))
         for _ in range(SETTLE):
             step()
-    extra = peak.stop() - rss0
+    extra = peak.stop()
     ckpt.close()
     n_all, s_all = sum(n for n, _ in steps_in_write), sum(s for _, s in steps_in_write)
     result: dict[str, Any] = {
@@ -164,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_during_write": n_all,
         "step_slowdown_during_write": (s_all / n_all) / step_s,
         "async_peak_extra_rss_bytes": extra,
+        "writer": ckpt.writer,
     }
     args.out.write_text(json.dumps(result))
     if world > 1:
