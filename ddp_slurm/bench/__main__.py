@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
-from ddp_slurm.bench import checkpoint, common, ddp, limit, loader, startup, tta
+from ddp_slurm.bench import checkpoint, common, ddp, forecast, limit, loader, startup, tta
 from ddp_slurm.exitcodes import EXIT_USAGE
 
 COMMANDS = {
@@ -18,6 +18,7 @@ COMMANDS = {
     "ddp": (ddp, "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs communication"),
     "startup": (startup, "seconds to the first optimizer step of ddp_slurm.train vs `import torch`"),
     "tta": (tta, "seconds to a target test accuracy on the sample, over seeds"),
+    "forecast": (forecast, "inside an allocation: all-reduce alpha-beta and step compute, step time at 1..1024 nodes"),
     "checkpoint": (checkpoint, "per-checkpoint training stall, synchronous vs asynchronous (checkpoint.async)"),
 }
 
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     except common.BenchError as exc:
         print(f"ddp_slurm.bench {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    common.report(payload, module.render(payload), args.json)
+    if payload is not None:  # None: a rank other than 0 of a multi-rank benchmark, which rank 0 reports
+        common.report(payload, module.render(payload), args.json)
     return 0
 
 
