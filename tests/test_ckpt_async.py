@@ -107,14 +107,14 @@ def test_poll_returns_a_finished_write_once_and_never_blocks(tmp_path: Path, wri
     assert ckpt.poll() is None and ckpt.wait() is None
 
 
-def test_supersede_cancels_an_older_write_in_a_process_and_waits_for_a_thread(tmp_path: Path, writer: str) -> None:
+def test_urgent_save_cancels_an_older_write_in_a_process_and_waits_for_a_thread(tmp_path: Path, writer: str) -> None:
     """A stop signal's save of a newer step: the process writer's in-flight write of an older step is
     killed and its temporary file removed (the stop checkpoint then costs one write, not one and a
     half); a thread cannot be killed, so its write completes first. Either way the newer step is
     durable and nothing half-written stays."""
     ckpt = AsyncCheckpointer(tmp_path, keep=10, writer=writer)
     ckpt.save({**small_state(1), "big": torch.rand(32 * 2**20)})  # 128 MiB: still being written below
-    ckpt.save(small_state(2), supersede=True)
+    ckpt.save(small_state(2), urgent=True)
     assert ckpt.wait() == tmp_path / "checkpoints" / "step-2.pt"
     steps = [s for s, _ in checkpoint.list_checkpoints(tmp_path)]
     assert steps == ([2] if writer == "process" else [2, 1])

@@ -8,9 +8,9 @@ subject and the harness of the checkpoint tests, and it follows the sequence the
 
 - every step: ``ckpt.poll()``; a writer failure is folded into the ranks' per-step flag exchange, so
   every rank stops at the same step and rank 0 raises the one-line error (exit 1);
-- a stop signal: save the stop step unless it is the one just saved, with ``supersede=True`` (an
+- a stop signal: save the stop step unless it is the one just saved, with ``urgent=True`` (an
   older step's write still in flight is cancelled, or waited for by a thread writer), ``ckpt.wait()``,
-  then exit 75; the end of training: the final save, ``wait()``.
+  then exit 75; the end of training: the final save with ``urgent=True``, ``wait()``.
 
 It prints one JSON line per event on stdout (``ready``, ``begin``, ``durable``, ``stopped``, ...) with
 ``t`` from ``time.monotonic()`` (one clock for every process of the host on Linux).
@@ -149,11 +149,11 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
     )
     last_saved = tr.step
 
-    def save(finished: bool = False, supersede: bool = False) -> None:
+    def save(finished: bool = False, urgent: bool = False) -> None:
         nonlocal last_saved
         if rank == 0:
             emit("begin", step=tr.step, finished=finished)
-            ckpt.save(tr.state(finished), supersede=supersede)
+            ckpt.save(tr.state(finished), urgent=urgent)
         last_saved = tr.step
 
     emit("ready", step=tr.step, pid=os.getpid(), rank=rank)
@@ -178,13 +178,13 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
             return EXIT_FAILURE
         if stopping:
             if last_saved != tr.step:  # an older step's write still in flight is cancelled (process writer)
-                save(supersede=True)
+                save(urgent=True)
             if rank == 0:
                 ckpt.wait()  # the stop step durable before any rank exits
             exchange([0.0], world)  # no rank exits 75 before the stop step is durable
             emit("stopped", step=tr.step)
             return EXIT_STOPPED
-        save(finished=True)
+        save(finished=True, urgent=True)
         if rank == 0:
             ckpt.wait()
         exchange([0.0], world)

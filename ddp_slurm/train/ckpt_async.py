@@ -15,8 +15,11 @@ The writer is a forked child process (``writer="process"``, the default where ``
   256 MiB write were 3-6x slower with a thread and 1.4-2.7x with a process (the rest is the disk
   and the CPU the child needs), and the thread's total stall came out larger than a synchronous
   save's (see docs/checkpoints.md);
-- a stop signal can cancel it (``save(state, supersede=True)`` kills an in-flight write of an older
-  step and removes its temporary file), so the stop checkpoint costs one write, not one and a half;
+- it runs at a lower CPU priority (nice +10), so on a node whose cores are all busy the training
+  process keeps them and the write takes longer instead; ``save(state, urgent=True)`` (a stop
+  signal's or the end of training's save, which the process waits for next) writes at full priority
+  and cancels an in-flight write of an older step (killed, its temporary file removed), so the stop
+  checkpoint costs one write, not one and a half;
 - it dies with the training process (``PR_SET_PDEATHSIG``): a SIGKILLed rank leaves no orphan that
   would finish a write after a relaunch has started.
 ``writer="thread"`` (a snapshot copy, then a thread) is the fallback where there is no fork.
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 # would cost far more than the stall that is saved.
 MAX_SHARE_OF_AVAILABLE = 0.5
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# The writer process's nice increment for the checkpoints training does not wait for: the cores go to
+# training first. Stop and final saves (urgent) run at the training process's own priority.
+WRITER_NICE = 10
 
 Writer = Literal["process", "thread"]
 
@@ -100,7 +106,7 @@ class _ThreadWrite(_Write):
 
 
 class _ProcessWrite(_Write):
-    def __init__(self, step: int, target: Callable[[], Path]) -> None:
+    def __init__(self, step: int, target: Callable[[], Path], nice: int) -> None:
         super().__init__(step)
         read, write = os.pipe()
         parent = os.getpid()
@@ -110,6 +116,8 @@ class _ProcessWrite(_Write):
             try:
                 os.close(read)
                 _die_with(parent)
+                if nice:
+                    os.nice(nice)
                 try:
                     target()
                     code = 0
@@ -201,12 +209,13 @@ class AsyncCheckpointer:
         w = self._write
         return w is not None and w.done() and w.error is not None
 
-    def save(self, state: dict[str, Any], supersede: bool = False) -> Path | None:
+    def save(self, state: dict[str, Any], urgent: bool = False) -> Path | None:
         """Checkpoint ``state`` (``state['step']`` names the file). Waits for the previous write first
-        (raising its error), or with ``supersede`` (a stop signal: this state is newer) cancels it where
-        the writer is a process. Returns the path when the save was synchronous, None when it was handed
-        to the writer (``wait()`` returns the path once it is durable)."""
-        if supersede and self._write is not None and not self._write.done():
+        (raising its error). ``urgent``: the caller will wait for this write next (a stop signal, the
+        end of training): an in-flight write of an older step is cancelled where the writer is a
+        process, and the write runs at full priority. Returns the path when the save was synchronous,
+        None when it was handed to the writer (``wait()`` returns the path once it is durable)."""
+        if urgent and self._write is not None and not self._write.done():
             log.info("stop: cancelling the write of step %d for the newer step %d", self._write.step, state["step"])
             self._write.cancel(checkpoint.checkpoint_dir(self.run_dir))
             self._write = None
@@ -220,7 +229,8 @@ class AsyncCheckpointer:
                 frozen, events = self._snap.copy(state)
                 for event in events:
                     event.synchronize()
-            self._write = _ProcessWrite(step, lambda: checkpoint.save(self.run_dir, frozen, self.keep))
+            target = lambda: checkpoint.save(self.run_dir, frozen, self.keep)  # noqa: E731
+            self._write = _ProcessWrite(step, target, 0 if urgent else WRITER_NICE)
         else:
             snap, events = self._snap.copy(state)
             self._write = _ThreadWrite(step, lambda: checkpoint.save(self.run_dir, snap, self.keep), events)
