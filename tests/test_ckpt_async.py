@@ -47,7 +47,7 @@ def small_state(step: int, value: float = 1.0) -> dict[str, Any]:
 
 @pytest.fixture(params=["process", "thread"])
 def writer(request) -> str:
-    """Both writers: a forked process (the default) and a thread (the fallback without fork)."""
+    """Both writers: a thread (the default) and a forked process."""
     return request.param
 
 
@@ -238,15 +238,17 @@ def assert_same_state(a: Path, b: Path) -> None:
 ARGS = ["--state-mb", "48", "--steps", "60", "--every", "10", "--keep", "10"]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_stop_signal_mid_write_waits_exits_75_and_resume_is_bit_identical(tmp_path: Path, nproc: int) -> None:
+@pytest.mark.parametrize("nproc, writer", [(1, "thread"), (2, "thread"), (1, "process")])
+def test_stop_signal_mid_write_waits_exits_75_and_resume_is_bit_identical(
+    tmp_path: Path, nproc: int, writer: str
+) -> None:
     """SIGUSR2 while the step-20 write is in flight (to every rank, as Slurm does): the stop step is
     saved (superseding the step-20 write) and durable before exit 75, the newest checkpoint is that
     stop step and valid, the relaunch resumes it, and the end state equals an uninterrupted run's."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run_to_end(whole, *ARGS, nproc=nproc)
 
-    w = Worker(parts, *ARGS, "--step-sleep", "0.02", nproc=nproc)
+    w = Worker(parts, *ARGS, "--step-sleep", "0.02", "--writer", writer, nproc=nproc)
     for _ in range(nproc):
         w.until(lambda e: e["event"] == "ready")
     begin = w.until(lambda e: e["event"] == "begin" and e["step"] == 20)

@@ -6,23 +6,20 @@ save, so a reader or a relaunch after SIGKILL sees the previous checkpoints or t
 half a file. At most one write is in flight: ``save`` first waits for the previous write, so host
 memory never holds more than one extra copy of the state.
 
-The writer is a forked child process (``writer="process"``, the default where ``os.fork`` exists):
-- freezing costs only the fork: the child sees the state as it was, copy-on-write, and pages are
-  copied only as training changes them (at most one copy of the state, as a snapshot would be).
-  Tensors on a GPU are first copied to pinned host buffers (ckpt_snapshot), which the child reads;
-- the child has its own interpreter lock. A writer thread shares the training thread's: measured
-  with ``python -m ddp_slurm.bench checkpoint`` on a busy 2-core machine, steps running beside a
-  256 MiB write were 3-6x slower with a thread and 1.4-2.7x with a process (the rest is the disk
-  and the CPU the child needs), and the thread's total stall came out larger than a synchronous
-  save's (see docs/checkpoints.md);
-- it runs at a lower CPU priority (nice +10), so on a node whose cores are all busy the training
-  process keeps them and the write takes longer instead; ``save(state, urgent=True)`` (a stop
-  signal's or the end of training's save, which the process waits for next) writes at full priority
-  and cancels an in-flight write of an older step (killed, its temporary file removed), so the stop
-  checkpoint costs one write, not one and a half;
-- it dies with the training process (``PR_SET_PDEATHSIG``): a SIGKILLed rank leaves no orphan that
-  would finish a write after a relaunch has started.
-``writer="thread"`` (a snapshot copy, then a thread) is the fallback where there is no fork.
+Two writers, measured side by side by ``python -m ddp_slurm.bench checkpoint`` (docs/checkpoints.md):
+- ``writer="thread"`` (the default): the state is copied into host buffers that are kept and reused
+  (pinned for GPU tensors: the copy is a DMA queued behind the step that made them), then a thread
+  writes the copy. ``hashlib`` and file writes release the interpreter lock; pickling does not.
+- ``writer="process"``: a forked child writes the state it sees copy-on-write, at nice +10, and dies
+  with its parent (``PR_SET_PDEATHSIG``); it has its own interpreter lock and can be cancelled. But
+  every page training changes while the child lives costs training a page fault and a 4 KiB copy,
+  and an optimizer changes all of its state every step: measured on CPU with the whole state
+  updated in turns, its steps beside a write ran 2-4x slower against 1.6-2.4x with the thread, and
+  its total stall was the larger one (64 and 256 MiB). It is the better writer only where training
+  does not touch host memory. Not the default; GPU tensors are copied to host buffers before the fork.
+``save(state, urgent=True)`` is for the saves the process waits for next (a stop signal, the end of
+training): a process writer's in-flight write of an older step is cancelled (killed, its temporary
+file removed) and the new one runs at full priority; a thread's in-flight write is finished first.
 
 Failures: an error in the writer (disk full, read-only file system) is kept and raised by the next
 ``poll()`` (call it every step), ``save()``, ``wait()`` or ``close()`` as one-line
@@ -187,7 +184,7 @@ class AsyncCheckpointer:
         on_durable: Callable[[Path, float], None] | None = None,
     ) -> None:
         self.run_dir, self.keep, self.enabled = Path(run_dir), keep, enabled
-        self.writer: Writer = writer or ("process" if hasattr(os, "fork") else "thread")
+        self.writer: Writer = writer or "thread"
         self.on_durable = on_durable
         self._snap = Snapshotter()
         self._write: _Write | None = None
