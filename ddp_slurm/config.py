@@ -83,6 +83,11 @@ class CheckpointConfig:
     """Steps between checkpoints (0: only at epoch ends, the end of training and on a stop signal)."""
     keep: int = 3
     """How many of the newest checkpoints to keep."""
+    async_save: bool = field(default=True, metadata={"key": "async"})
+    """``checkpoint.async`` (YAML key ``async``; ``async_save`` only in Python, where ``async`` is a
+    keyword): rank 0 copies the state to host memory and a background thread writes it, so training
+    pauses only for the copy. Stop signals, the end of training and exit wait for the write to be
+    durable. Falls back to synchronous saving when a copy of the state would not fit in memory."""
 
 
 @dataclass
@@ -175,11 +180,26 @@ class Config:
         return own | {name: getattr(self.task_config, name) for name in _field_names(self.task_config)}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"task": self.task} | {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+        """``task`` and sections of ``{key: value}``, keyed as in YAML (``checkpoint.async``, not ``async_save``)."""
+        return {"task": self.task} | {
+            name: {_key(f): getattr(sec, f.name) for f in dataclasses.fields(sec)}
+            for name, sec in self.sections().items()
+        }
 
 
 def _field_names(obj: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(obj)]
+
+
+def _key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and on the command line: its name, or ``metadata["key"]`` where the
+    key is a Python keyword (``checkpoint.async`` is the field ``async_save``)."""
+    return f.metadata.get("key", f.name)
+
+
+def _keys(obj: Any) -> dict[str, str]:
+    """``{key: field name}`` of a section."""
+    return {_key(f): f.name for f in dataclasses.fields(obj)}
 
 
 def task_class(spec: str) -> type:
@@ -272,6 +292,17 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
 }
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and on the command line: its name, or ``metadata["key"]`` where the
+    key is a Python keyword (``checkpoint.async`` is the field ``async_save``)."""
+    return f.metadata.get("key", f.name)
+
+
+def _field_names(cls: type) -> dict[str, str]:
+    """``{key: field name}`` of a section."""
+    return {_key(f): f.name for f in dataclasses.fields(cls)}
+
+
 def _describe(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
@@ -347,7 +378,7 @@ def _fields(obj: Any) -> dict[str, dataclasses.Field]:
 
 
 def _all_keys(cfg: Config) -> list[str]:
-    return ["task"] + [f"{s}.{name}" for s, sec in cfg.sections().items() for name in _fields(sec)]
+    return ["task"] + [f"{s}.{name}" for s, sec in cfg.sections().items() for name in _keys(sec)]
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
@@ -362,8 +393,9 @@ def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
         raise ConfigError(f"unknown config section {section!r} (key {key!r}) in {where}{hint}")
     target = sections[section]
     hints = _field_types(target)
-    if not name or name not in hints:
+    if not name or name not in _keys(target):
         raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, _all_keys(cfg))}")
+    name = _keys(target)[name]
     try:
         coerced = _coerce(value, hints[name])
     except TypeError:
@@ -563,7 +595,7 @@ def _wants_text(cfg: Config, key: str) -> bool:
     """True when ``key`` is a string field (possibly optional): a number typed for it is its text."""
     section, _, name = key.partition(".")
     target = cfg.sections().get(section)
-    tp = _field_types(target).get(name) if target is not None else None
+    tp = _field_types(target).get(_keys(target).get(name, "")) if target is not None else None
     return tp is str or (typing.get_origin(tp) is not Literal and str in typing.get_args(tp))
 
 

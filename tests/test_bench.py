@@ -274,3 +274,85 @@ def test_training_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "heavy:", res.stdout
+
+
+def test_checkpoint_smoke(tmp_path: Path) -> None:
+    """``bench checkpoint`` with a tiny state: every figure is there, positive where it must be, and
+    the JSON's stall_ratio is what its two stalls say."""
+    p, text = bench(tmp_path, "checkpoint", "--state-mb", "4", "--rounds", "1", "--width", "16", "--batch", "8")
+    assert p["params"]["state_mb"] == 4 and p["params"]["worlds"] == [1, 2]
+    assert set(p["worlds"]) == {"1", "2"} and set(p["writers"]) == {"process", "thread"}
+    for r in [*p["worlds"].values(), *p["writers"].values()]:
+        assert r["file_bytes"] > 4 * 2**20 * 0.99 and positive(r["step_s"]) and positive(r["snapshot_s"]["median"])
+        assert positive(r["sync_stall_s"]["median"]) and r["steps_during_write"] >= 1
+        assert r["async_peak_extra_rss_bytes"] >= 0
+    assert p["stall_ratio"] == pytest.approx(p["async_stall_s"] / p["sync_stall_s"])
+    assert positive(p["raw_write_mib_s"]) and positive(p["sync_save_mib_s"]) and positive(p["save_vs_raw"])
+    for mode in ("sync", "async"):
+        s = p["signal"][mode]
+        assert positive(s["signal_to_durable_s"]) and s["signal_to_exit_s"] >= s["signal_to_durable_s"] - 0.5
+        assert s["stop_step"] >= 40
+    assert not list(tmp_path.glob(".bench-checkpoint-*"))  # its scratch folder is gone
+    assert "world size 1" in text and "world size 2" in text and "stall_ratio" in text
+
+
+def test_forecast_model_pieces() -> None:
+    """The ring all-reduce cost, DDP's bucket layout and the alpha-beta fit, on numbers worked by hand."""
+    from ddp_slurm.bench import forecast
+
+    assert forecast.ring_s(1, 1e6, 1e-4, 1e-9) == 0.0
+    assert forecast.ring_s(4, 1e6, 1e-4, 1e-9) == pytest.approx(6e-4 + 1.5e6 * 1e-9)
+    assert forecast.buckets(3 << 20, None) == [1 << 20, 2 << 20]  # DDP: 1 MiB first, then up to 25 MiB
+    assert forecast.buckets(60 << 20, None) == [1 << 20, 25 << 20, 25 << 20, 9 << 20]
+    assert forecast.buckets(1000, 500 / 2**20) == [500, 500]  # a small model's two halves (engine.bucket_cap_mb)
+    f = forecast.fit([1000, 2000, 4000], [0.01 + 1000e-6, 0.01 + 2000e-6, 0.01 + 4000e-6], p=2)
+    assert f["a_s"] == pytest.approx(0.01) and f["b_s_per_byte"] == pytest.approx(1e-6)
+    assert f["alpha_s"] == pytest.approx(0.005) and f["beta_s_per_byte"] == pytest.approx(1e-6)
+    m = {"compute_s": 0.1, "forward_s": 0.04, "buckets": [1000, 1000], "alpha_s": 1e-3, "beta_s_per_byte": 1e-6}
+    # 2 ranks: each bucket 2 ms + 1 ms = 3 ms; 6 ms in all fits in the 60 ms backward, the last one does not
+    assert forecast.step_s(2, m) == pytest.approx((0.103, 0.003))
+    rows = forecast.forecast(m, ranks_per_node=1, max_nodes=1024)
+    assert [r["nodes"] for r in rows] == [2**i for i in range(11)] and rows[0]["efficiency"] == 1.0
+    assert all(a["step_s"] <= b["step_s"] for a, b in zip(rows, rows[1:]))
+
+
+def test_forecast_smoke(tmp_path: Path) -> None:
+    """One process (nothing to all-reduce: it says so), two torchrun ranks (a forecast and its check
+    against the measured DDP step), and --from both files."""
+    args = [
+        "--model",
+        "mlp",
+        "--batch",
+        "16",
+        "--steps",
+        "2",
+        "--windows",
+        "1",
+        "--sizes-kib",
+        "4,64",
+        "--max-nodes",
+        "8",
+    ]
+    one, text = bench(tmp_path, "forecast", *args)
+    assert one["forecast"] == [] and "2 or more" in text and positive(one["measured"]["compute_s"])
+    out = tmp_path / "two.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        + ["-m", "ddp_slurm.bench", "forecast", "--json", str(out), *args],
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("forecast for mlp") == 1  # rank 0 reports, rank 1 does not
+    two = json.loads(out.read_text())
+    m = two["measured"]
+    assert m["world_size"] == 2 and positive(m["alpha_s"]) and m["beta_s_per_byte"] >= 0
+    assert [r["nodes"] for r in two["forecast"]] == [1, 2, 4, 8] and two["ranks_per_node"] == 2
+    assert positive(two["check"]["measured_s"]) and positive(two["check"]["predicted_s"])
+    both, _ = bench(tmp_path, "forecast", "--from", f"{tmp_path / 'forecast.json'},{out}", "--max-nodes", "4")
+    assert both["measured"]["compute_from_world_size"] == 1
+    assert both["measured"]["compute_s"] == one["measured"]["compute_s"]
+    assert both["measured"]["alpha_s"] == m["alpha_s"] and len(both["forecast"]) == 3

@@ -19,6 +19,8 @@ COMMANDS = {
     "ddp": "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs communication",
     "startup": "seconds to the first optimizer step of ddp_slurm.train vs `import torch`",
     "tta": "seconds to a target test accuracy on the sample, over seeds",
+    "forecast": "inside an allocation: all-reduce alpha-beta and step compute, step time at 1..1024 nodes",
+    "checkpoint": "per-checkpoint training stall, synchronous vs asynchronous (checkpoint.async)",
 }
 
 
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except common.BenchError as exc:
         print(f"ddp_slurm.bench {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    common.report(payload, module.render(payload), args.json)
+    if payload is not None:  # None: a rank other than 0 of a multi-rank benchmark, which rank 0 reports
+        common.report(payload, module.render(payload), args.json)
     return 0
 
 

@@ -94,7 +94,7 @@ def content_digest(state: dict[str, Any]) -> str:
     for name, t in _tensors(body):
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # no copy; hashlib drops the GIL
     h.update(repr(_skeleton(body)).encode())
     return h.hexdigest()
 

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from ddp_slurm.dist.group import on_rank0
 from ddp_slurm.dist.watchdog import Watchdog
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
 from ddp_slurm.train import checkpoint, determinism, loader, logs, rundir, runname, state, step, tb
+from ddp_slurm.train.ckpt_async import AsyncCheckpointer
 from ddp_slurm.train.metrics import MetricsWriter
 from ddp_slurm.train.precision import check_precision
 from ddp_slurm.train.signals import StopFlag
@@ -143,11 +145,18 @@ def train(
         found["state"] = latest[1]
         return latest[0]
 
+    # checkpoint.async: rank 0 writes in the background, at most one write in flight (ckpt_async.py)
+    ckpt = AsyncCheckpointer(cfg.run_dir, cfg.checkpoint.keep, enabled=cfg.checkpoint.async_save, shared=cfg.run.shared)
     try:
         path = on_rank0(env, take_run_dir)  # only the path travels: each rank reads the file itself
         resumed = None if path is None else found["state"] if env.rank == 0 else checkpoint.load(path)
-        return _train(cfg, task, env, device, backend, stop, resumed, t0, dog, hosts)
+        return _train(cfg, task, env, device, backend, stop, resumed, t0, dog, hosts, ckpt)
     finally:
+        if ckpt.in_flight:  # leaving on an error: the write in flight still ends whole (or not at all)
+            try:
+                ckpt.close()
+            except checkpoint.CheckpointError as exc:
+                log.error("%s", exc)
         lock.release()
 
 
@@ -162,6 +171,7 @@ def _train(
     t0: float,
     dog: Watchdog | None,
     hosts: list[str],
+    ckpt: AsyncCheckpointer,
 ) -> int:
     if resumed is not None and resumed["finished"]:
         name, value = task.best_metric, resumed.get("best", resumed.get("best_accuracy"))
@@ -204,8 +214,9 @@ def _train(
     def elapsed() -> float:
         return pos.elapsed_s + time.monotonic() - t0
 
-    def save(finished: bool = False) -> None:
-        """Every rank hands rank 0 its RNG streams; rank 0 writes; no rank goes on before the file is in place."""
+    def save(finished: bool = False, urgent: bool = False) -> None:
+        """Every rank hands rank 0 its RNG streams; rank 0 snapshots the state and writes it (in the
+        background with checkpoint.async; ``urgent``: a stop or the end, whose write is waited for next)."""
         snapshot = state.capture(
             model,
             optimizer,
@@ -226,9 +237,9 @@ def _train(
                     f"weights are not finite at step {pos.step}: not saving them; "
                     "the last good checkpoint is kept (lower train.lr?)"
                 )
-            log.info(
-                "checkpoint %s", checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep, shared=cfg.run.shared)
-            )
+            path = ckpt.save(snapshot, urgent=urgent)  # None: handed to the writer, which logs it when durable
+            if path is not None:
+                log.info("checkpoint %s", path)
 
         on_rank0(env, write)
         pos.last_saved = pos.step
@@ -258,7 +269,7 @@ def _train(
     )
 
     progress = logs.Progress(env.rank == 0, tc.log_every_s)
-    votes = step.StopVote(stop, ws, device)
+    votes = step.StopVote(stop, ws, device, failed=lambda: ckpt.failed)
     window = LossWindow(device, ws, G, pos.step)
     spe = batches.steps_per_epoch
 
@@ -279,6 +290,8 @@ def _train(
         # The ranks agree on stopping one step late, without waiting for each other (step.StopVote);
         # before an evaluation or a save they wait, so that nothing non-finite is evaluated or saved.
         requeue, terminate, bad = votes.exchange(loss, pos.step, wait=saving)
+        if votes.failed:  # rank 0's background write failed (disk full, read-only): its one line, every rank
+            on_rank0(env, ckpt.wait)
         if bad:
             raise NonFiniteLoss(
                 f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
@@ -302,7 +315,7 @@ def _train(
             evaluate(cfg, task, model, eval_data, env, device, pos, metrics, window, elapsed())
             pos.next_epoch()
             epoch_batches = batches.epoch(pos.epoch, 0)
-            save(finished=pos.step >= total_steps)
+            save(finished=pos.step >= total_steps, urgent=pos.step >= total_steps)
             if pos.step < total_steps:
                 progress.start_epoch(pos.epoch, tc.epochs, epoch_steps(), 0)
         elif saving:
@@ -314,10 +327,11 @@ def _train(
     progress.end_epoch()
     stop.stopping = True  # from here on stop signals are absorbed until the process exits (see signals.py)
     if (requeue or terminate) and pos.step < total_steps:
-        return stop_on_signal(cfg, env, pos, requeue and not terminate, save, metrics, elapsed())
+        return stop_on_signal(cfg, env, pos, requeue and not terminate, save, ckpt, metrics, elapsed())
     if requeue or terminate:  # came during the last step or the final evaluation: the work is done, no requeue
         log.info("stop signal after the last step: the run is finished, its final checkpoint is on disk")
     name = task.best_metric
+    on_rank0(env, ckpt.wait)  # the final checkpoint is durable before the run says it ended
     metrics.write("end", pos.step, pos.epoch, elapsed(), **({f"best_{name}": pos.best} if name else {}))
     metrics.close()
     best = f", best test {logs.metric(name, pos.best)}" if name and pos.best is not None else ""
@@ -353,15 +367,24 @@ def evaluate(
 
 
 def stop_on_signal(
-    cfg: Config, env: DistEnv, pos: state.Position, wants_requeue: bool, save, metrics: MetricsWriter, elapsed: float
+    cfg: Config,
+    env: DistEnv,
+    pos: state.Position,
+    wants_requeue: bool,
+    save: Callable[..., None],
+    ckpt: AsyncCheckpointer,
+    metrics: MetricsWriter,
+    elapsed: float,
 ) -> int:
-    """Checkpoint (unless this step is already on disk), requeue if asked to, and say how to continue.
+    """Checkpoint (unless this step is already on disk), wait until it is durable, requeue if asked to,
+    and say how to continue: never an exit (or a requeue) before the newest checkpoint is whole.
 
     SIGTERM (Slurm preemption, scancel, torchrun shutting down) never requeues from here: a preempting
     Slurm requeues the job itself, and a cancelled job should stay cancelled.
     """
     if pos.last_saved != pos.step:
-        save()
+        save(urgent=True)
+    on_rank0(env, ckpt.wait)
     metrics.write("stop", pos.step, pos.epoch, elapsed, requeue=wants_requeue)
     metrics.close()
     if wants_requeue and env.in_slurm_job and cfg.slurm.requeue:

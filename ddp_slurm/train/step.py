@@ -268,6 +268,9 @@ def evaluate(
     return {name: v / max(count, 1) for name, v in zip(names, values[1:])}, count
 
 
+FLAGS = 4  # requeue signal, terminate signal, non-finite loss, checkpoint writer failed
+
+
 class StopVote:
     """The ranks' agreement on stopping, reached one step late so that it never holds a step up.
 
@@ -287,10 +290,15 @@ class StopVote:
     tests/test_gpu.py). Only ``wait=True`` and ``settle`` wait for the step just posted.
     """
 
-    def __init__(self, stop: StopFlag, world_size: int, device: torch.device) -> None:
-        self.stop, self.world_size = stop, world_size
+    def __init__(
+        self, stop: StopFlag, world_size: int, device: torch.device, failed: Callable[[], bool] | None = None
+    ) -> None:
+        """``failed``: a fourth flag any rank may raise (rank 0's background checkpoint writer failed);
+        once agreed, ``self.failed`` stays True on every rank."""
+        self.stop, self.world_size, self._failed = stop, world_size, failed
         self.bad = ""  # why the loss was flagged, once it was: "loss is nan at step 12"
-        self._buffers = (torch.zeros(3, device=device), torch.zeros(3, device=device))  # posted, being reduced
+        self.failed = False
+        self._buffers = (torch.zeros(FLAGS, device=device), torch.zeros(FLAGS, device=device))  # posted, being reduced
         self._cuda = _HostCopies(device) if device.type == "cuda" else None
         self._pending: tuple[int, Any, torch.Tensor | None, int] | None = None  # slot, work, loss, step
 
@@ -303,6 +311,7 @@ class StopVote:
         flags[0] = float(self.stop.requeue_requested)
         flags[1] = float(self.stop.terminate_requested)
         flags[2] = 0.0 if loss is None else (~torch.isfinite(loss)).float()
+        flags[3] = float(self._failed is not None and self._failed())
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if self.world_size > 1 else None
         if self._cuda is not None:
             self._cuda.post(slot, flags, work)
@@ -328,7 +337,8 @@ class StopVote:
             if work is not None:
                 work.wait()
             values = self._buffers[slot].tolist()
-        requeue, terminate, bad = (v > 0 for v in values)
+        requeue, terminate, bad, failed = (v > 0 for v in values)
+        self.failed = self.failed or failed
         if bad and not self.bad:
             value = loss.item() if loss is not None else float("nan")  # the failure path may wait
             self.bad = (
@@ -345,7 +355,7 @@ class _HostCopies:
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
-        self.host = tuple(torch.zeros(3, pin_memory=True) for _ in range(2))
+        self.host = tuple(torch.zeros(FLAGS, pin_memory=True) for _ in range(2))
         self.done = tuple(torch.cuda.Event() for _ in range(2))
 
     def post(self, slot: int, flags: torch.Tensor, work: Any) -> None:

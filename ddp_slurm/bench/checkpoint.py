@@ -1,0 +1,241 @@
+"""Checkpoint cost: how long training stalls per checkpoint, synchronous vs asynchronous (checkpoint.async).
+
+``python -m ddp_slurm.bench checkpoint --state-mb N`` measures, side by side in one run, with N MiB
+of synthetic model and optimizer state (16 MiB float32 tensors: weights and Adam's two moments) next
+to a small model that trains (``ddp_slurm.bench.ckpt_worker``), at world size 1 and 2 (gloo, rank 0
+writes):
+
+- stall per checkpoint: synchronous, the time ``checkpoint.save`` blocks; asynchronous, the copy to
+  host memory plus what the background write costs the steps that run beside it (their time minus
+  the same number of undisturbed steps). ``stall_ratio`` = async stall / sync stall (world size 1);
+- save throughput: MiB/s of the synchronous save against the disk's own limit measured in the same
+  run, a raw sequential write of the same size with fsync, in the same directory;
+- signal to durable: SIGUSR2 sent right after an asynchronous write has begun, until the stop
+  step's checkpoint is on disk (the in-flight write is finished first);
+- peak extra RSS of asynchronous saving (the host copy), sampled during the saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ddp_slurm.bench import common
+
+SYNC_STEPS_AFTER = 5  # steps between two measured saves, so each starts from a steady state
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-mb", type=float, default=512.0, help="MiB of synthetic model+optimizer state")
+    p.add_argument("--rounds", type=int, default=3, help="checkpoints measured per mode and world size")
+    p.add_argument("--worlds", default="1,2", help="world sizes to measure, comma-separated")
+    p.add_argument("--width", type=int, default=256, help="width of the small model that trains (step time)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temporary folder in the working directory)"
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a worker is given up")
+
+
+# ---------------------------------------------------------------- the disk's own limit
+
+
+def raw_write_s(folder: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` sequentially (8 MiB writes) and fsync them, as a checkpoint is."""
+    chunk = os.urandom(8 << 20)
+    path = folder / "raw.bin"
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+# ---------------------------------------------------------------- the workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_measure(args: argparse.Namespace, world: int, folder: Path, writer: str | None = None) -> dict[str, Any]:
+    """Run the measuring worker at ``world`` ranks (``writer``: ckpt_async's default when None); rank 0's figures."""
+    port, procs, outs = _free_port(), [], []
+    tag = f"w{world}-{writer or 'default'}"
+    for rank in range(world):
+        out, log = folder / f"{tag}-r{rank}.json", folder / f"{tag}-r{rank}.log"
+        env = common.child_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_measure", "--out", str(out)]
+        cmd += ["--run-dir", str(folder / tag), "--state-mb", str(args.state_mb), "--rounds", str(args.rounds)]
+        cmd += ["--width", str(args.width), "--batch", str(args.batch)] + (["--writer", writer] if writer else [])
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
+        outs.append((out, log))
+    try:
+        codes = [p.wait(timeout=args.timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = [None] * world
+    finally:
+        for p in procs:  # only our own workers, by their handles
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (code, (out, log)) in enumerate(zip(codes, outs)):
+        if code != 0:
+            tail = log.read_text().strip().splitlines()[-5:]
+            why = f"exit {code}" if code is not None else f"no result after {args.timeout:g} s"
+            raise common.BenchError(f"checkpoint worker rank {rank}/{world} failed ({why}): {' | '.join(tail)}")
+    shutil.rmtree(folder / tag, ignore_errors=True)
+    return json.loads(outs[0][0].read_text())
+
+
+def signal_to_durable(args: argparse.Namespace, folder: Path, mode: str) -> dict[str, Any]:
+    """SIGUSR2 right after a save began (async: while it is being written); seconds until the stop
+    step's checkpoint is durable, and until the process has exited."""
+    run_dir = folder / f"signal-{mode}"
+    cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_worker", "--run-dir", str(run_dir), "--mode", mode]
+    cmd += ["--state-mb", str(args.state_mb), "--steps", "100000", "--every", "20"]
+    cmd += ["--width", str(args.width), "--batch", str(args.batch)]
+    proc = subprocess.Popen(cmd, env=common.child_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, text=True)
+    events: list[dict[str, Any]] = []
+    timer = threading.Timer(args.timeout, proc.kill)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        sent = None
+        for line in proc.stdout:
+            event = json.loads(line)
+            events.append(event)
+            if event["event"] == "begin" and event["step"] == 40 and sent is None:
+                sent = time.monotonic()
+                proc.send_signal(signal.SIGUSR2)
+        code = proc.wait()
+        exited = time.monotonic()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    stopped = [e["step"] for e in events if e["event"] == "stopped"]
+    if code != 75 or not stopped or sent is None:
+        raise common.BenchError(f"signal-to-durable run ({mode}) ended with exit {code}, events {events[-3:]}")
+    durable = max(e["t"] for e in events if e["event"] == "durable" and e["step"] == stopped[0])
+    return {"signal_to_durable_s": durable - sent, "signal_to_exit_s": exited - sent, "stop_step": stopped[0]}
+
+
+# ---------------------------------------------------------------- the command
+
+
+def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    if args.state_mb <= 0 or args.rounds < 1:
+        raise common.BenchError("--state-mb must be > 0 and --rounds >= 1")
+    try:
+        worlds = sorted({int(w) for w in args.worlds.split(",")})
+    except ValueError:
+        raise common.BenchError(f"--worlds {args.worlds!r}: expected world sizes like 1,2") from None
+    if not worlds or worlds[0] < 1:
+        raise common.BenchError(f"--worlds {args.worlds!r}: expected world sizes >= 1, e.g. 1,2")
+    base = args.dir or Path.cwd()
+    base.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=base))
+    try:
+        nbytes = int(args.state_mb * 2**20)
+        raw = [raw_write_s(folder, nbytes) for _ in range(args.rounds)]
+        by_world = {str(w): launch_measure(args, w, folder) for w in worlds}
+        other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
+        # the other writer at the first world size, for the choice between them (ckpt_async's docstring)
+        writers = {by_world[str(worlds[0])]["writer"]: by_world[str(worlds[0])]}
+        writers[other] = launch_measure(args, worlds[0], folder, other)
+        signals = {mode: signal_to_durable(args, folder, mode) for mode in ("sync", "async")}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    raw_s = statistics.median(raw)
+    first = by_world[str(worlds[0])]
+    mib = first["file_bytes"] / 2**20
+    payload = common.header(
+        "checkpoint", "cpu", threads, state_mb=args.state_mb, rounds=args.rounds, worlds=worlds, width=args.width
+    )
+    payload.update(
+        {
+            "directory": str(base),
+            "raw_write_s": common.summary(raw),
+            "raw_write_mib_s": args.state_mb / raw_s,
+            "worlds": by_world,
+            "writers": writers,
+            "sync_stall_s": first["sync_stall_s"]["median"],
+            "async_stall_s": first["async_stall_s"]["median"],
+            "stall_ratio": first["async_stall_s"]["median"] / first["sync_stall_s"]["median"],
+            "sync_save_mib_s": mib / first["sync_stall_s"]["median"],
+            "save_vs_raw": (mib / first["sync_stall_s"]["median"]) / (args.state_mb / raw_s),
+            "signal": signals,
+            "signal_budget_s": raw_s + 2.0,
+            "async_peak_extra_rss_mib": first["async_peak_extra_rss_bytes"] / 2**20,
+        }
+    )
+    return payload
+
+
+def render(p: dict[str, Any]) -> str:
+    rows = []
+    runs = [(f"world size {w}, {r['writer']}", r) for w, r in p["worlds"].items()]
+    runs += [
+        (f"world size {r['world']}, {name}", r) for name, r in p["writers"].items() if r not in p["worlds"].values()
+    ]
+    for label, r in runs:
+        rows.append(
+            [
+                label,
+                common.fmt(r["step_s"] * 1e3, 1),
+                common.fmt(r["sync_stall_s"]["median"], 3),
+                common.fmt(r["async_stall_s"]["median"], 3),
+                common.fmt(r["snapshot_s"]["median"], 3),
+                f"{r['async_stall_s']['median'] / r['sync_stall_s']['median']:.3f}",
+                f"{r['step_slowdown_during_write']:.2f}x",
+                common.fmt(r["async_peak_extra_rss_bytes"] / 2**20),
+            ]
+        )
+    sig = p["signal"]
+    notes = [
+        f"disk: raw sequential write + fsync of {p['params']['state_mb']:g} MiB: {p['raw_write_s']['median']:.2f} s "
+        f"({p['raw_write_mib_s']:,.0f} MiB/s); synchronous save {p['sync_save_mib_s']:,.0f} MiB/s = "
+        f"{100 * p['save_vs_raw']:.0f}% of it",
+        f"signal to durable stop checkpoint: async {sig['async']['signal_to_durable_s']:.2f} s, sync "
+        f"{sig['sync']['signal_to_durable_s']:.2f} s (budget: raw write + 2 s = {p['signal_budget_s']:.2f} s)",
+        f"stall_ratio (world size 1) = {p['stall_ratio']:.3f}",
+    ]
+    return common.table(
+        f"checkpoint stall, {p['params']['state_mb']:g} MiB of state, in {p['directory']}",
+        ["", "step ms", "sync stall s", "async stall s", "copy s", "ratio", "step slowdown", "extra RSS MiB"],
+        rows,
+        notes,
+    )
