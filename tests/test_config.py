@@ -8,7 +8,6 @@ stderr, and no run directory created.
 from __future__ import annotations
 
 import dataclasses
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from conftest import REPO, Launcher, base_env
 
 from ddp_slurm import config
 from ddp_slurm.config import Config, ConfigError
+from ddp_slurm.dist.env import free_port
 
 JOBS = REPO / "jobs"
 
@@ -303,19 +303,13 @@ def test_cli_malformed_file(launcher: Launcher) -> None:
     _assert_usage_error(res, launcher, str(path), "line 3", "column")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_batch_not_divisible_refused_by_every_rank(launcher: Launcher) -> None:
     """Each rank of a 2-rank world (torchrun's variables, set by hand so every rank surely gets that far)
     refuses a global batch of 127 on its own: exit 2, one line, before any rendezvous."""
     import subprocess
 
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         env = base_env(

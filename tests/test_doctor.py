@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import base_env
 
-from ddp_slurm.dist.env import DistEnv
+from ddp_slurm.dist.env import DistEnv, free_port
 from ddp_slurm.tools import doctor
 
 DOCTOR = [sys.executable, "-m", "ddp_slurm.doctor", "--timeout", "5", "--size-mb", "1", "--iters", "2"]
@@ -31,12 +31,6 @@ def rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict[
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(cwd, env: dict[str, str]) -> subprocess.Popen:

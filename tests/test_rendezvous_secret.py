@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -21,16 +20,10 @@ import pytest
 from conftest import base_env
 
 from ddp_slurm.dist import rdzv
-from ddp_slurm.dist.env import BootstrapError, DistEnv
+from ddp_slurm.dist.env import BootstrapError, DistEnv, free_port
 
 TIMEOUT_S = 600.0
 TRAIN = ["model.name=mlp", "train.max_steps=4", "train.schedule=constant", "run.name=secret", "dist.timeout_s=60"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_of(rank: int, port: int, key: Path, **extra: str) -> dict[str, str]:

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm.bench import common
+from ddp_slurm.dist.env import free_port
 
 SYNC_STEPS_AFTER = 5  # steps between two measured saves, so each starts from a steady state
 
@@ -73,15 +73,9 @@ def raw_write_s(folder: Path, nbytes: int) -> float:
 # ---------------------------------------------------------------- the workers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_measure(args: argparse.Namespace, world: int, folder: Path, writer: str | None = None) -> dict[str, Any]:
     """Run the measuring worker at ``world`` ranks (``writer``: ckpt_async's default when None); rank 0's figures."""
-    port, procs, outs = _free_port(), [], []
+    port, procs, outs = free_port(), [], []
     tag = f"w{world}-{writer or 'default'}"
     for rank in range(world):
         out, log = folder / f"{tag}-r{rank}.json", folder / f"{tag}-r{rank}.log"

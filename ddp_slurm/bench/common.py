@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ddp_slurm import text
+
 
 class BenchError(RuntimeError):
     """A benchmark that cannot run as asked; the message says why and what to do (exit 2)."""
@@ -133,13 +135,7 @@ def fmt_spread(s: Mapping[str, Any], digits: int = 0) -> list[str]:
 
 def table(title: str, headers: Sequence[str], rows: Iterable[Sequence[str]], notes: Iterable[str] = ()) -> str:
     """A plain-text table: first column left-aligned, the figures right-aligned."""
-    rows = [list(map(str, r)) for r in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    out = [title, line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    out = [title, *text.columns([list(map(str, headers)), *rows], numeric_from=1, rule=True)]
     out += [f"  {n}" for n in notes]
     return "\n".join(out)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch
 
 from ddp_slurm import bootstrap
 from ddp_slurm.bench import common
+from ddp_slurm.dist.env import free_port
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import step as engine
 from ddp_slurm.train.signals import StopFlag
@@ -61,15 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 WORLD = 2  # the 1-rank figures come from rank 0 of the same launch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(threads: int, device: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """Start the two worker processes, wait for both, return their results (rank order)."""
-    port, procs, outs = _free_port(), [], []
+    port, procs, outs = free_port(), [], []
     for rank in range(WORLD):
         out, log = tmp / f"r{rank}-{port}.json", tmp / f"r{rank}-{port}.log"
         env = common.child_env(

@@ -352,3 +352,25 @@ def _slurm_layout(environ: Mapping[str, str]) -> Layout:
     local_world = (f"{per_node_var[0]}[{node[1]}]", counts[node[1]])
     _below(local_rank, local_world)
     return "slurm", rank[1], local_rank[1], world[1], local_world[1], node[1], nodes[1]
+
+
+def free_port(taken: set[int] | None = None) -> int:
+    """A free local TCP port below the ephemeral range (outgoing connections cannot take it meanwhile),
+    not in ``taken``, which it joins. For local rendezvous: submit's local jobs, the benchmarks, tests."""
+    import random
+    import socket
+
+    taken = set() if taken is None else taken
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(PORT_BASE, PORT_BASE + PORT_SPAN)
+        with socket.socket() as s:
+            if port in taken:
+                continue
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise RuntimeError("no free TCP port found for the local rendezvous")

@@ -13,16 +13,14 @@ import contextlib
 import io
 import json
 import os
-import random
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddp_slurm import config, slurm_time
 from ddp_slurm.config import Config
-from ddp_slurm.dist.env import PORT_BASE, PORT_SPAN
+from ddp_slurm.dist.env import free_port
 from ddp_slurm.launch import sweep
 from ddp_slurm.launch.job import TrainJob
 from ddp_slurm.train import runname
@@ -246,23 +244,6 @@ def sbatch_script(plan: Plan) -> str:
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 
-def _free_port(taken: set[int]) -> int:
-    """A free TCP port below the ephemeral range (outgoing connections cannot take it meanwhile)."""
-    rng = random.Random()
-    for _ in range(500):
-        port = rng.randrange(PORT_BASE, PORT_BASE + PORT_SPAN)
-        with socket.socket() as s:
-            if port in taken:
-                continue
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
-    raise RuntimeError("no free TCP port found for the local rendezvous")
-
-
 def submit(plan: Plan, cluster: str) -> list[Any]:
     """Submit; returns the submitit jobs (one per run). Submission errors raise RuntimeError (one line)."""
     import submitit
@@ -277,7 +258,7 @@ def submit(plan: Plan, cluster: str) -> list[Any]:
             str(run.run_dir),
             plan.cfg.slurm.signal,
             os.getcwd(),
-            _free_port(ports) if cluster == "local" else 0,
+            free_port(ports) if cluster == "local" else 0,
         )
         for run in plan.runs
     ]

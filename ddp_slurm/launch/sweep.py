@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm import text
 from ddp_slurm.config import ConfigError
 from ddp_slurm.train import metrics
 
@@ -147,8 +148,7 @@ def format_table(rows: list[RunSummary], columns: dict[str, list[str]] | None = 
         ]
         for i, r in enumerate(rows)
     ]
-    widths = [max(len(line[c]) for line in [header, *body]) for c in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *body])
+    return "\n".join(text.columns([header, *body]))
 
 
 def summary_text(path: Path) -> str:

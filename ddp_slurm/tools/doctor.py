@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ddp_slurm import bootstrap
+from ddp_slurm import bootstrap, text
 from ddp_slurm.bootstrap import BootstrapError, DistEnv, RendezvousError
 from ddp_slurm.exitcodes import EXIT_FAILURE as EXIT_FAIL
 from ddp_slurm.exitcodes import EXIT_OK
@@ -477,8 +477,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in sorted(rows, key=lambda r: r["rank"])
     ]
-    widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [head] + body)
+    return "\n".join(text.columns([head, *body]))
 
 
 def summary(rows: list[dict[str, Any]], size_mb: float) -> str:
