@@ -179,8 +179,13 @@ def _my_groups() -> set[int]:
 
 
 def check_run_dir(run_dir: Path, shared: bool = False) -> None:
-    """``check_trusted`` on an existing run directory and what a resume reads from it."""
+    """``check_trusted`` on an existing run directory and everything a resume reads from it (its config,
+    the checkpoints folder and every ``step-*.pt`` in it), before the launch writes anything there."""
     run_dir = Path(run_dir)
-    for path in (run_dir, run_dir / "config.yaml", run_dir / "checkpoints"):
+    folder = run_dir / "checkpoints"
+    for path in (run_dir, run_dir / "config.yaml", folder):
         if path == run_dir or os.path.lexists(path):
+            check_trusted(path, shared)
+    if folder.is_dir() and not folder.is_symlink():
+        for path in sorted(folder.glob("step-*.pt")):
             check_trusted(path, shared)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 FIFO = b"<fifo>"  # a file entry with this content is made as a named pipe
 DIR = b"<dir>"  # ... as a directory
+LINK = b"<link>"  # ... as a symlink to victim.txt (another user's file) in the working directory
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,9 @@ class Bad:
     env: tuple[tuple[str, str], ...] = ()
     file: str | None = None  # written to job.yaml in the working directory first
     module: str = "ddp_slurm.train"
-    files: tuple[tuple[str, bytes], ...] = ()  # more files (relative path, content, FIFO or DIR) made first
+    files: tuple[tuple[str, bytes], ...] = ()  # more files (relative path, content, FIFO, DIR or LINK) made first
+    modes: tuple[tuple[str, int], ...] = ()  # then chmod (relative path, mode)
+    after_start: bool = False  # found once the ranks are up (the run directory): one ERROR line among the logs
 
 
 def dry(*argv: str, says: tuple[str, ...], file: str | None = None, files: tuple = ()) -> Bad:
@@ -79,7 +82,7 @@ CASES["seed-huge"] = dry("run.seed=18446744073709551616", says=("run.seed", "an 
 CASES["seed-2-to-the-40"] = dry(f"run.seed={2**40}", says=("run.seed", "0 to 4294967295"))
 CASES["seed-negative"] = dry("run.seed=-1", says=("run.seed", "0 to 4294967295"))
 CASES["timeout-1e300"] = dry("dist.timeout_s=1e300", says=("dist.timeout_s", "<= 10000000"))
-CASES["time-min-huge"] = dry("--time", "99999999999", says=("slurm.time_min", "1 to 10000000"))
+CASES["time-zero"] = dry("--time", "0", says=("--time",))
 CASES["signal-delay-huge"] = dry("slurm.signal_delay_s=99999999999", says=("slurm.signal_delay_s",))
 CASES["lr-nan-in-file"] = dry(
     "--config", "job.yaml", says=("train.lr in", "job.yaml", "finite"), file="train:\n  lr: .nan\n"
@@ -127,7 +130,7 @@ CASES["partition-newline-in-file"] = dry(
 )
 
 # --- config files that are not small UTF-8 YAML mappings
-CASES["alias-bomb"] = dry("--config", "job.yaml", says=("job.yaml", "unknown config section 'a'"), file=BOMB)
+CASES["alias-bomb"] = dry("--config", "job.yaml", says=("job.yaml", "section 'a'"), file=BOMB)
 CASES["alias-bomb-as-value"] = dry(
     "--config",
     "job.yaml",
@@ -189,6 +192,7 @@ for label, content in (
     ("a-scalar", b"3\n"),
 ):
     CASES[f"run-dir-config-{label}"] = dry(
+        "--name=mnist-sample",
         says=("runs/mnist-sample/config.yaml", "damaged", "move the run directory away"),
         files=(("runs/mnist-sample/config.yaml", content),),
     )
@@ -227,7 +231,7 @@ for var, value in (("SLURM_PROCID", "x"), ("SLURM_NTASKS", "-2"), ("SLURM_PROCID
 
 # --- submit options that contradict each other
 CASES["signal-delay-beyond-time"] = dry(
-    "--time", "1", "--signal-delay", "600", says=("--signal-delay 600 s", "--time 1 min")
+    "--time", "1", "--signal-delay", "600", says=("--signal-delay 600 s", "--time 1 (1 min)")
 )
 CASES["signal-delay-equals-time"] = dry("--time", "2", "--signal-delay", "120", says=("--signal-delay 120 s",))
 CASES["signal-delay-negative"] = dry("--signal-delay", "-1", says=("--signal-delay",))
@@ -260,3 +264,36 @@ CASES["report-output-is-dir"] = report(
 CASES["report-metrics-fifo"] = report("run", says=("metrics.jsonl",), files=(("run/metrics.jsonl", FIFO),))
 CASES["report-metrics-dir"] = report("run", says=("metrics.jsonl",), files=(("run/metrics.jsonl", DIR),))
 CASES["report-no-run"] = report("missing", says=("metrics.jsonl does not exist",))
+
+# --- a run directory with files a co-tenant or a damaged copy left: the real training entry point
+RUN = ("run.name=r", "model.name=mlp", "train.max_steps=2")
+JUNK = ("runs/r/checkpoints/step-10.pt", b"not a checkpoint")  # a checkpoint name makes a resume read config.yaml
+for label, content in (
+    ("empty", b""),
+    ("a-list", b"- 1\n"),
+    ("garbage", b"\x00\x01"),
+    ("a-directory", DIR),
+    ("a-fifo", FIFO),
+):
+    CASES[f"train-run-dir-config-{label}"] = Bad(
+        RUN, ("runs/r/config.yaml", "damaged"), files=(("runs/r/config.yaml", content), JUNK), after_start=True
+    )
+for label, path in (("run-dir", "runs/r"), ("checkpoints", "runs/r/checkpoints"), ("checkpoint", JUNK[0])):
+    CASES[f"train-group-writable-{label}"] = Bad(
+        RUN,
+        (f"refusing to resume from {path}", "writable by the group", "run.shared=true"),
+        files=(JUNK,),
+        modes=((path, 0o775 if path != JUNK[0] else 0o664),),
+        after_start=True,
+    )
+CASES["train-world-writable-shared-run"] = Bad(
+    (*RUN, "run.shared=true"),
+    ("refusing to resume from runs/r", "writable by every user"),
+    files=(JUNK,),
+    modes=(("runs/r", 0o777),),
+    after_start=True,
+)
+for label, path in (("lock", "runs/r/.lock"), ("checkpoints", "runs/r/checkpoints"), ("config", "runs/r/config.yaml")):
+    CASES[f"train-symlink-{label}"] = Bad(
+        RUN, (path, "symlink"), files=(("runs/r/x", b""), (path, LINK)), after_start=True
+    )

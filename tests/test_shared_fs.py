@@ -125,8 +125,8 @@ def test_when_no_checkpoint_is_accepted_the_run_refuses_to_start_over(tmp_path: 
 
 # --------------------------------------------------------------------------- 3. owners and modes
 def test_files_and_directories_get_private_modes_whatever_the_umask(tmp_path: Path, umask_002) -> None:
-    cfg = config.Config(run=config.RunConfig(name="r"))
-    cfg.run.output_root = str(tmp_path)
+    cfg = config.Config()
+    cfg.run.output_root, cfg.run.name = str(tmp_path), "modes"
     safefs.make_dir(cfg.run_dir)
     checkpoint.save(cfg.run_dir, make_state(step=10), keep=2)
     config.dump(cfg, cfg.run_dir / "config.yaml")

@@ -99,11 +99,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--cluster debug runs one task in this process, not {tasks}: use --cluster local for several")
     if args.dry_run and args.cluster != "slurm":
         raise UsageError(f"--dry-run prints the sbatch script of a Slurm job: drop --cluster {args.cluster}")
-    if cfg.slurm.signal_delay_s >= cfg.slurm.time_min * 60:
-        raise UsageError(
-            f"--signal-delay {cfg.slurm.signal_delay_s} s is not shorter than --time {cfg.slurm.time_min} min: "
-            "the stop signal would come before the job could train; lower --signal-delay or raise --time"
-        )
     root = Path(os.path.abspath(os.path.expanduser(cfg.run.output_root))) / cfg.run.name
     # The run directory (from the working directory too) becomes #SBATCH lines and file names.
     for what, text in (("the run directory", str(root)), ("the config file", str(cfg_path or ""))):
@@ -143,10 +138,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
                     f"run directory {run.run_dir} holds a run with another config ({'; '.join(diffs)}): "
                     "submit with the same settings to resume it, or choose another --name"
                 )
-    if slurm_time.minutes(cfg.slurm.time) is None:
+    limit_min = slurm_time.minutes(cfg.slurm.time)
+    if limit_min is None:
         raise UsageError(
             f"slurm.time={cfg.slurm.time} has no end, so Slurm never sends the stop signal before it: "
             "give a finite --time (e.g. 2-00:00:00)"
+        )
+    if cfg.slurm.signal_delay_s >= limit_min * 60:
+        raise UsageError(
+            f"--signal-delay {cfg.slurm.signal_delay_s} s is not shorter than --time {cfg.slurm.time} "
+            f"({limit_min} min): the stop signal would come before the job could train; lower --signal-delay "
+            "or raise --time"
         )
     extra = parse_sbatch_options(getattr(args, "sbatch", None) or [])
     return Plan(cfg, tasks, runs, root, bool(args.sweep), extra, list(getattr(args, "setup", None) or []))

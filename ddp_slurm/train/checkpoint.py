@@ -50,6 +50,11 @@ class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be used, or one cannot be written. One line, names the files."""
 
 
+class UnsafeCheckpoint(CheckpointError, safefs.UnsafePath):
+    """A checkpoint (or its folder) someone else could have written: refused for resume like any
+    ``safefs.UnsafePath`` (a usage problem, exit 2), and still a CheckpointError for callers of ``latest``."""
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -246,7 +251,7 @@ def latest(
         for _, path in candidates:
             safefs.check_trusted(path, shared)
     except safefs.UnsafePath as exc:
-        raise CheckpointError(str(exc)) from None
+        raise UnsafeCheckpoint(str(exc)) from None
     for step, path in candidates:
         try:
             state = load(path)
