@@ -57,5 +57,5 @@ def render(cfg: Config, explain: bool = False) -> str:
             if explain and docs.get(f.name):
                 for chunk in textwrap.wrap(docs[f.name], 96):
                     lines.append(f"  # {chunk}")
-            lines.append(f"  {f.name}: {scalar(getattr(section, f.name))}")
+            lines.append(f"  {f.metadata.get('key', f.name)}: {scalar(getattr(section, f.name))}")  # YAML's key
     return "\n".join(lines) + "\n"
