@@ -124,16 +124,15 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from ddp_slurm import bootstrap
-    from ddp_slurm.bench.ddp import _batches, _trainer
+    from ddp_slurm.bench import common
     from ddp_slurm.tasks.mnist import data
-    from ddp_slurm.train import step as engine
+    from ddp_slurm.train import step
 
     env = bootstrap.DistEnv.from_environ(os.environ)
     ws = env.world_size
     with bootstrap.distributed(env, "auto", timeout_s=300) as (device, backend):
         train = data.load_sample(train=True).to(device)
-        model, ddp_step, bare = _trainer(args.model, args.batch * ws, ws, device, train)
-        batches = _batches(len(train), 0, args.batch * ws, env.rank, ws, device)
+        model, _, ddp_step, bare, batches = common.mnist_trainer(args.model, args.batch * ws, env.rank, ws, device)
         x, y = data.normalize(train.images[: args.batch]), train.labels[: args.batch]
 
         def forward() -> None:  # as in the step: autograd records the graph; backward is the rest
@@ -168,7 +167,7 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
             "forward_s": _slowest(statistics.median(fwd), ws),
             "measured_step_s": _slowest(statistics.median(measured), ws) if ws > 1 else None,
             "grad_bytes": grad_bytes,
-            "buckets": buckets(grad_bytes, engine.bucket_cap_mb(model)),
+            "buckets": buckets(grad_bytes, step.bucket_cap_mb(model)),
             "allreduce": [{"bytes": s, "s": t} for s, t in zip(sizes, allreduce)],
         }
         if ws > 1:
