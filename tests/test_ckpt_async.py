@@ -315,3 +315,15 @@ def test_writer_failure_stops_training_with_one_line(tmp_path: Path) -> None:
     begins = [e["step"] for e in w.events if e["event"] == "begin"]
     # stopped at the first step that saw the failure, or at the next save, which waits for it first
     assert begins in ([10], [10, 20]), begins
+
+
+def test_snapshot_keeps_strides_so_a_resumed_fused_optimizer_sees_its_layout() -> None:
+    """A channels_last weight (the cnn's) and its Adam moments must come back channels_last: a fused
+    optimizer walks a parameter and its state as flat memory, and a contiguous moment buffer loaded
+    beside a channels_last parameter would pair up the wrong elements (resume no longer bit-identical)."""
+    from ddp_slurm.train.ckpt_snapshot import Snapshotter
+
+    weight = torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)
+    snap, _ = Snapshotter().copy({"w": weight, "plain": torch.arange(6).view(2, 3).t()})
+    assert snap["w"].stride() == weight.stride() and torch.equal(snap["w"], weight)
+    assert torch.equal(snap["plain"], torch.arange(6).view(2, 3).t())

@@ -71,9 +71,19 @@ class Snapshotter:
     def _tensor(self, t: torch.Tensor, path: str, events: list[torch.cuda.Event]) -> torch.Tensor:
         buf = self._buffers.get(path)
         cuda = t.device.type == "cuda"
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != cuda:
-            # pinned host memory only for GPU tensors: pinning pageable CPU memory buys nothing
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
+        # The copy keeps the tensor's strides (a channels_last weight stays channels_last): a resumed
+        # optimizer takes its state tensors as loaded, and a fused kernel walking a parameter and its
+        # moment buffers as flat memory needs them in the same layout, or it mixes up their elements.
+        if (
+            buf is None
+            or buf.shape != t.shape
+            or buf.stride() != t.stride()
+            or buf.dtype != t.dtype
+            or buf.is_pinned() != cuda
+        ):
+            # pinned host memory only for GPU tensors: pinning pageable CPU memory buys nothing;
+            # empty_like keeps a dense tensor's strides (preserve_format)
+            buf = torch.empty_like(t, device="cpu", pin_memory=cuda)
             self._buffers[path] = buf
         if cuda:
             buf.copy_(t, non_blocking=True)  # queued on the current stream, behind the step that made t
