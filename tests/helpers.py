@@ -64,3 +64,9 @@ import helpers
 from ddp_slurm.train import entry
 sys.exit(entry.main(sys.argv[1:], task=helpers.Injecting))
 """
+
+
+def requeue_calls(calls) -> list[str]:
+    """The ``scontrol requeue`` calls a recording stub saw (the allocation check's ``show job`` and
+    ``write batch_script`` calls are not requeues)."""
+    return [line for line in calls.read_text().splitlines() if line.startswith("requeue")] if calls.exists() else []

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import bad_inputs
+import helpers
 import pytest
 import torch
 from bad_inputs import Bad
@@ -320,7 +321,9 @@ def test_hung_rank_is_named_after_the_collective_timeout(tmp_path: Path, start, 
     [line] = [line for line in error_lines(text) if "lost rank" in line]
     assert re.search(
         rf"lost rank 1 \(host {re.escape(HOST)}, pid {ranks[1].pid}\): no heartbeat for \d+ s; "
-        r"this rank's collective failed with: .*([Tt]imed out|timeout)",
+        # named by the stall check before the backend's timeout, or by the collective that timed out
+        r"(this rank waited \d+ s at step \d+ \(found before the backend's timeout\)"
+        r"|this rank's collective failed with: .*([Tt]imed out|timeout))",
         line,
     ), line
     assert took <= 20 + 30, f"rank 0 took {took:.0f} s to give up (dist.timeout_s=20)"
@@ -796,7 +799,12 @@ def test_stop_signal_during_a_checkpoint_save(tmp_path: Path, start) -> None:
     launcher, run_dir = Launcher(tmp_path), tmp_path / "runs" / "mid-save"
     run = start(
         launcher.cmd_train(
-            "model.name=mlp", "train.epochs=100", "checkpoint.every_steps=1", "checkpoint.keep=3", "run.name=mid-save"
+            "model.name=mlp",
+            "train.epochs=100",
+            "checkpoint.every_steps=1",
+            "checkpoint.keep=3",
+            "run.name=mid-save",
+            "checkpoint.async=false",  # the synchronous writer; a signal mid background write: test_ckpt_async
         )
     )
     run.until("training", lambda: len(checkpoint.list_checkpoints(run_dir)) >= 1)
@@ -843,7 +851,7 @@ def test_requeue_cap_reached_at_the_signal_stops_with_exit_3_and_no_requeue(tmp_
     assert run.wait() == EXIT_REQUEUE_CAP, run.text()
     [line] = error_lines(run.text())
     assert "requeue cap reached (2 requeues, slurm.max_requeues=2): not requeueing" in line, line
-    assert not calls.exists(), "scontrol was called although the cap was reached"
+    assert not helpers.requeue_calls(calls), "scontrol requeue was called although the cap was reached"
     assert_one_clean_stop(run_dir)
 
 
@@ -854,7 +862,7 @@ def test_requeue_cap_exceeded_at_start_does_not_train(tmp_path: Path) -> None:
     assert res.returncode == EXIT_REQUEUE_CAP, res.stderr
     [line] = error_lines(res.stderr)
     assert "requeue cap reached: restart 3 > slurm.max_requeues=2" in line, line
-    assert not calls.exists() and not checkpoint.list_checkpoints(run_dir)
+    assert not helpers.requeue_calls(calls) and not checkpoint.list_checkpoints(run_dir)
     assert not [r for r in rows(run_dir) if r["kind"] == "train"]
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import helpers
 import pytest
 import torch
 from conftest import Launcher, base_env
@@ -452,7 +453,7 @@ def test_sigterm_stops_without_requeue(launches: list[Launch], tmp_path: Path) -
     first.signal(0, signal.SIGUSR2)
     stop1 = assert_stopped(first)
     assert stop1["requeue"] is True
-    assert calls.read_text().splitlines() == ["requeue 4242"]  # after the checkpoint was on disk
+    assert helpers.requeue_calls(calls) == ["requeue 4242"]  # after the checkpoint was on disk
 
     second = start(launches, tmp_path, 1, MLP, env)
     second.wait_until_catching(signal.SIGTERM)
@@ -461,7 +462,7 @@ def test_sigterm_stops_without_requeue(launches: list[Launch], tmp_path: Path) -
     stop2 = assert_stopped(second)
     assert_resumed_from(second, stop1["step"])
     assert stop2["requeue"] is False and stop2["step"] > stop1["step"]
-    assert calls.read_text().splitlines() == ["requeue 4242"], "SIGTERM must not requeue"
+    assert helpers.requeue_calls(calls) == ["requeue 4242"], "SIGTERM must not requeue"
     assert "requeued Slurm job 4242" in first.log_text() and "requeue" not in second.log_text().lower()
 
 
