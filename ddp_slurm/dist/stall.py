@@ -142,6 +142,8 @@ class StallCheck:
         dog = self.dog
         if dog.failing or self.done:
             return
+        if dog._progress < 0:  # before this rank's first step (rendezvous, data, run directory): no verdict
+            return  # a slow start is not a stall; the backend's timeout and the heartbeat still name a lost rank
         idle = time.monotonic() - dog.moved
         if dog._seen is not None and dog._seen[0] and idle >= 2 * dog.interval_s:
             self._end(*dog._seen, idle)  # another rank found it while this one waits
