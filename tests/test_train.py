@@ -42,7 +42,10 @@ def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
 def _check_contract(run_dir: Path, overrides: list[str], world_size: int) -> list[dict]:
     """The run directory as CONTRACT.md describes it."""
     cfg = config.load(None, overrides)
-    assert config.read_resolved(run_dir / "config.yaml") == cfg
+    saved = config.read_resolved(run_dir / "config.yaml")
+    if cfg.run.name is None:  # the launch named its new run directory
+        cfg.run.name = run_dir.name
+    assert saved == cfg
 
     rows = _rows(run_dir)
     assert (run_dir / "metrics.jsonl").read_text().endswith("\n")
