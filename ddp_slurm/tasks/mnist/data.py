@@ -8,12 +8,10 @@ The task hands them to the runtime's in-memory path (``ddp_slurm.train.loader.In
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gzip
 import logging
 import socket
-import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -142,23 +140,3 @@ def load_split(source: str, root: str | Path, train: bool) -> Split:
 def normalize(images_u8: torch.Tensor) -> torch.Tensor:
     """uint8 [B, 28, 28] -> float32 [B, 1, 28, 28], standardised."""
     return images_u8.unsqueeze(1).float().sub_(MEAN * 255).mul_(1.0 / (STD * 255))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddp_slurm.data", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    dl = sub.add_parser("download", help="fetch full MNIST (run on a machine with internet, e.g. a login node)")
-    dl.add_argument("--root", required=True, type=Path, help="directory to hold MNIST/raw")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    try:
-        download(args.root)
-    except Exception as exc:
-        print(f"error: could not download MNIST to {args.root}: {one_line(exc)}", file=sys.stderr)
-        return 1
-    print(f"MNIST ready under {args.root}/MNIST/raw; train with data.source=mnist data.root={args.root}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
