@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm.bench import common
-from ddp_slurm.dist.env import free_port
 
 SYNC_STEPS_AFTER = 5  # steps between two measured saves, so each starts from a steady state
 
@@ -75,41 +74,16 @@ def raw_write_s(folder: Path, nbytes: int) -> float:
 
 def launch_measure(args: argparse.Namespace, world: int, folder: Path, writer: str | None = None) -> dict[str, Any]:
     """Run the measuring worker at ``world`` ranks (``writer``: ckpt_async's default when None); rank 0's figures."""
-    port, procs, outs = free_port(), [], []
     tag = f"w{world}-{writer or 'default'}"
-    for rank in range(world):
-        out, log = folder / f"{tag}-r{rank}.json", folder / f"{tag}-r{rank}.log"
-        env = common.child_env(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
+
+    def command(out: Path) -> list[str]:
         cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_measure", "--out", str(out)]
         cmd += ["--run-dir", str(folder / tag), "--state-mb", str(args.state_mb), "--rounds", str(args.rounds)]
-        cmd += ["--width", str(args.width), "--batch", str(args.batch)] + (["--writer", writer] if writer else [])
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
-        outs.append((out, log))
-    try:
-        codes = [p.wait(timeout=args.timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = [None] * world
-    finally:
-        for p in procs:  # only our own workers, by their handles
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (code, (out, log)) in enumerate(zip(codes, outs)):
-        if code != 0:
-            tail = log.read_text().strip().splitlines()[-5:]
-            why = f"exit {code}" if code is not None else f"no result after {args.timeout:g} s"
-            raise common.BenchError(f"checkpoint worker rank {rank}/{world} failed ({why}): {' | '.join(tail)}")
+        return cmd + ["--width", str(args.width), "--batch", str(args.batch)] + (["--writer", writer] if writer else [])
+
+    outs = common.run_local_ranks("checkpoint", world, 1, folder, tag, args.timeout, command)
     shutil.rmtree(folder / tag, ignore_errors=True)
-    return json.loads(outs[0][0].read_text())
+    return json.loads(outs[0].read_text())
 
 
 def signal_to_durable(args: argparse.Namespace, folder: Path, mode: str) -> dict[str, Any]:

@@ -228,3 +228,45 @@ def mnist_trainer(model_name: str, global_batch: int, rank: int, world: int, dev
             epoch += 1
 
     return model, optimizer, train_step, bare, endless()
+
+
+def run_local_ranks(
+    what: str, world: int, threads: int, folder: Path, tag: str, timeout: float, command: Callable[[Path], list[str]]
+) -> list[Path]:
+    """Start ``world`` local ranks of ``command(out_path)`` as torchrun would (RANK, WORLD_SIZE, a free
+    MASTER_PORT on 127.0.0.1), wait for all, and return their output files in rank order; a rank that
+    fails or outlives ``timeout`` is BenchError naming it and the last lines of its log."""
+    import subprocess
+
+    from ddp_slurm.dist.env import free_port
+
+    port, procs, outs = free_port(), [], []
+    for rank in range(world):
+        out, log = folder / f"{tag}-r{rank}-{port}.json", folder / f"{tag}-r{rank}-{port}.log"
+        env = child_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(threads),
+        )
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(command(out), env=env, stdout=f, stderr=subprocess.STDOUT))
+        outs.append((out, log))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = [None] * world
+    finally:
+        for p in procs:  # only our own workers, by their process handles
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (code, (out, log)) in enumerate(zip(codes, outs)):
+        if code != 0:
+            tail = log.read_text().strip().splitlines()[-5:]
+            why = f"exit {code}" if code is not None else f"no result after {timeout:g} s"
+            raise BenchError(f"{what} worker rank {rank}/{world} failed ({why}): {' | '.join(tail)}")
+    return [out for out, _ in outs]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -36,7 +35,6 @@ import torch
 
 from ddp_slurm import bootstrap
 from ddp_slurm.bench import common
-from ddp_slurm.dist.env import free_port
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import step as engine
 from ddp_slurm.train.signals import StopFlag
@@ -63,56 +61,14 @@ WORLD = 2  # the 1-rank figures come from rank 0 of the same launch
 
 def launch(threads: int, device: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """Start the two worker processes, wait for both, return their results (rank order)."""
-    port, procs, outs = free_port(), [], []
-    for rank in range(WORLD):
-        out, log = tmp / f"r{rank}-{port}.json", tmp / f"r{rank}-{port}.log"
-        env = common.child_env(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS=str(threads),
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "ddp_slurm.bench.ddp",
-            "--worker",
-            "--out",
-            str(out),
-            "--device",
-            device,
-            "--model",
-            args.model,
-            "--batch",
-            str(args.batch),
-            "--steps",
-            str(args.steps),
-            "--windows",
-            str(args.windows),
-            "--warmup",
-            str(args.warmup),
-        ]
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
-        outs.append((out, log))
-    try:
-        codes = [p.wait(timeout=args.timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = [None] * WORLD
-    finally:
-        for p in procs:  # only our own workers, by their process handles
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (code, (out, log)) in enumerate(zip(codes, outs)):
-        if code != 0:
-            tail = log.read_text().strip().splitlines()[-5:]
-            why = f"exit {code}" if code is not None else f"no result after {args.timeout:g} s"
-            raise common.BenchError(f"ddp worker rank {rank}/{WORLD} failed ({why}): {' | '.join(tail)}")
-    return [json.loads(out.read_text()) for out, _ in outs]
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, "-m", "ddp_slurm.bench.ddp", "--worker", "--out", str(out), "--device", device,
+                "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps),
+                "--windows", str(args.windows), "--warmup", str(args.warmup)]  # fmt: skip
+
+    outs = common.run_local_ranks("ddp", WORLD, threads, tmp, "ddp", args.timeout, command)
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def summarise(runs: list[list[dict[str, Any]]], batch: int) -> dict[str, Any]:
