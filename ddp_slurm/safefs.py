@@ -87,7 +87,12 @@ def fsync_dir(folder: Path) -> None:
 
 def temp_name(final: Path) -> Path:
     """A temporary name next to ``final``: unguessable, so nobody can plant it in advance."""
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return final.with_name(temp_pattern(final.name, os.getpid()).replace("*", secrets.token_hex(4)))
+
+
+def temp_pattern(name: str = "*", pid: int | str = "*") -> str:
+    """The glob matching what ``temp_name`` makes for file ``name`` (a glob too) written by ``pid``."""
+    return f".{name}.tmp-{pid}-*"
 
 
 def open_new(path: Path, shared: bool = False) -> int:

@@ -11,6 +11,13 @@ from ddp_slurm.tasks.mnist.task import MNIST, MNISTConfig
 from ddp_slurm.train import loader, step
 from ddp_slurm.train.task import Tensors
 
+# How a survivor says it found a lost rank, after "no heartbeat for N s; ": the stall check saw the rank
+# silent before the backend's timeout, or this rank's collective failed. Which comes first is a race
+# (the collective's error on a killed peer's socket against the stall check's poll): both are right.
+FOUND_BY_STALL = r"this rank waited \d+ s at step \d+ \(found before the backend's timeout\)"
+FOUND_BY_COLLECTIVE = r"this rank's collective failed with: "
+LOST_FOUND = rf"({FOUND_BY_STALL}|{FOUND_BY_COLLECTIVE}\S)"
+
 TASK = MNIST(MNISTConfig(), ctx=None)  # training_step and eval_step read neither config nor context
 
 

@@ -39,7 +39,10 @@ TENSOR_MB = 16  # the synthetic state comes in tensors of this size, as a big mo
 
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, "t": time.monotonic(), **fields}), flush=True)
+    # One write of the whole line: under torchrun the ranks share one pipe, and a line written in one
+    # piece (under PIPE_BUF) never interleaves with another rank's (print writes the newline apart).
+    sys.stdout.write(json.dumps({"event": event, "t": time.monotonic(), **fields}) + "\n")
+    sys.stdout.flush()
 
 
 def synthetic_state(mib: float, seed: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -123,6 +123,11 @@ class _Sink:
         self._f.flush()
 
 
+def file_name(step: int | str) -> str:
+    """A checkpoint's file name: ``step-<N>.pt`` (``step`` may be a glob, ``"*"``)."""
+    return f"step-{step}.pt"
+
+
 def save(run_dir: Path, state: dict[str, Any], keep: int, shared: bool = False) -> Path:
     """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
 
@@ -132,7 +137,7 @@ def save(run_dir: Path, state: dict[str, Any], keep: int, shared: bool = False) 
     the disk fills up; a half-written temporary file is removed.
     """
     folder = checkpoint_dir(run_dir)
-    final = folder / f"step-{state['step']}.pt"
+    final = folder / file_name(state["step"])
     state = dict(state, format=FORMAT)
     state["content_sha256"] = content_digest(state)
     sinks: list[_Sink] = []
@@ -199,7 +204,7 @@ def remove_stale_temporaries(run_dir: Path) -> None:
     """Temporary files left by a writer that was killed mid-save (never valid checkpoints)."""
     folder = checkpoint_dir(run_dir)
     if folder.is_dir():
-        for p in folder.glob(".step-*.pt.tmp-*"):
+        for p in folder.glob(safefs.temp_pattern(file_name("*"))):
             p.unlink(missing_ok=True)
 
 

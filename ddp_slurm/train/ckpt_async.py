@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 
+from ddp_slurm import safefs
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.ckpt_snapshot import Snapshotter, available_memory, on_gpu, state_bytes
 
@@ -144,7 +145,9 @@ class _ProcessWrite(_Write):
         if self._status is None:
             os.kill(self.pid, signal.SIGKILL)
             self.join()
-        for tmp in folder.glob(f".step-{self.step}.pt.tmp-{self.pid}"):  # what the killed child left
+        for tmp in folder.glob(
+            safefs.temp_pattern(checkpoint.file_name(self.step), self.pid)
+        ):  # what the killed child left
             tmp.unlink(missing_ok=True)
 
     def _finish(self, status: int) -> None:
@@ -277,7 +280,7 @@ class AsyncCheckpointer:
     def _collect(self) -> Path:
         w, self._write = self._write, None
         assert w is not None and w.done_at is not None
-        path = checkpoint.checkpoint_dir(self.run_dir) / f"step-{w.step}.pt"
+        path = checkpoint.checkpoint_dir(self.run_dir) / checkpoint.file_name(w.step)
         if w.error is not None:
             if not w.error.startswith("cannot write checkpoint"):  # not checkpoint.save's own one line
                 w.error = f"cannot write checkpoint {path}: {w.error}; previous checkpoints are intact"
