@@ -1,6 +1,7 @@
 """Helpers shared by tests/test_tasks.py and tests/cluster/test_tasks_cluster.py.
 
-``LINE_TASK`` is the source of a third, minimal task that nothing in the package names: a test
+``LINE_TASK`` is the source of a third, minimal task that nothing in the package names: the complete
+example of docs/tasks.md, read from the page (what the tests train is what the page shows). A test
 writes it to a file and selects it by path (``task=line_task.py:Line``), as a user would. The
 example task lives in ``examples/addition``; ``ADDITION_TINY`` sizes it for tests (seconds, not
 minutes: what is tested is the runtime, not how well it learns).
@@ -10,64 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from docs_commands import files
+
 REPO = Path(__file__).resolve().parents[1]
 ADDITION = f"{REPO / 'examples' / 'addition' / 'task.py'}:Addition"
 
-LINE_TASK = '''
-"""A minimal ddp_slurm task: fit y = 3x + 1 with one linear layer, data held in memory."""
-from dataclasses import dataclass, field
-
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from ddp_slurm import ConfigError, Task, Tensors, checked
-
-
-@dataclass
-class LineData:
-    size: int = checked(256, check=lambda v: v >= 1, expected="an integer >= 1")
-    """Training points."""
-    noise: float = checked(0.01, check=lambda v: v >= 0, expected="a number >= 0")
-    """Standard deviation of the noise on y."""
-
-
-@dataclass
-class LineConfig:
-    line: LineData = field(default_factory=LineData)
-
-
-class Line(Task):
-    Config = LineConfig
-    best_metric = "mse"
-    higher_is_better = False
-
-    def check(self):
-        if self.ctx.global_batch_size > self.config.line.size:
-            raise ConfigError(f"train.global_batch_size={self.ctx.global_batch_size} > line.size={self.config.line.size}")
-
-    def _points(self, n, seed):
-        g = torch.Generator().manual_seed(seed)
-        x = torch.rand(n, 1, generator=g) * 2 - 1
-        return x, 3 * x + 1 + self.config.line.noise * torch.randn(n, 1, generator=g)
-
-    def build_model(self):
-        return nn.Linear(1, 1)
-
-    def train_data(self):
-        return Tensors(*self._points(self.config.line.size, 0))
-
-    def training_step(self, model, batch):
-        x, y = batch
-        return F.mse_loss(model(x), y)
-
-    def eval_data(self):
-        return Tensors(*self._points(100, 1))
-
-    def eval_step(self, model, batch):
-        x, y = batch
-        return {"mse": ((model(x) - y) ** 2).sum()}
-
+# The example of docs/tasks.md, as a reader copies it, and two classes that only look like tasks.
+LINE_TASK = (
+    files(REPO / "docs" / "tasks.md")["line.py"]
+    + '''
 
 class NotATask:
     """Looks like a task, is not a ddp_slurm.Task."""
@@ -85,6 +37,7 @@ class Incomplete(Task):
     def train_data(self):
         return Tensors(torch.zeros(4, 1))
 '''
+)
 
 LINE_RUN = [
     "train.epochs=3",

@@ -91,16 +91,20 @@ def assert_line_learned(run_dir: Path, world_size: int) -> dict[str, Any]:
     weight, bias = state["model"]["weight"].item(), state["model"]["bias"].item()
     assert abs(weight - 3) < 0.3 and abs(bias - 1) < 0.3, (weight, bias)
     assert state["best"] is not None and state["best"] < 0.1  # best_metric "mse", lower is better
-    assert "task: line_task.py:Line" in (run_dir / "config.yaml").read_text() or "Line" in state["config"]["task"]
+    assert state["config"]["task"].endswith(":Line")
     return state
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size, task", [(1, "line_task.py:Line"), (2, "my_project.tasks:Line")])
 def test_minimal_task_trains_through_python_and_torchrun(
-    launches: list[Launch], tmp_path: Path, world_size: int
+    launches: list[Launch], tmp_path: Path, world_size: int, task: str
 ) -> None:
+    """By file (one process) and by import path from the working directory (torchrun, 2 ranks)."""
     write_line_task(tmp_path)
-    launch = run_to_end(launches, tmp_path, world_size, ["task=line_task.py:Line", *LINE_RUN, f"run.name={RUN_NAME}"])
+    (tmp_path / "my_project").mkdir()
+    (tmp_path / "my_project" / "tasks.py").write_text((tmp_path / "line_task.py").read_text())
+    launch = run_to_end(launches, tmp_path, world_size, [f"task={task}", *LINE_RUN, f"run.name={RUN_NAME}"])
+    assert f"task: {task}" in (launch.run_dir / "config.yaml").read_text()
     evals = [r for r in launch.rows() if r["kind"] == "eval"]
     assert len(evals) == 3 and evals[-1]["test_samples"] == 100 and evals[-1]["mse"] < 0.1, evals
     assert launch.rows()[-1]["best_mse"] == min(r["mse"] for r in evals)

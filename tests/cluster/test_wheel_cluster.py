@@ -13,36 +13,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, fresh_copy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 TINY = ["data.source=sample", "model.name=mlp", "train.max_steps=20", "train.log_every_steps=5", "dist.timeout_s=120"]
 ONE_NODE = ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=5"]
-
-
-def fresh_copy(dest: Path) -> Path:
-    """The project's files as a clone has them (tracked and new, not ignored): no build outputs, no venv."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    if listed.returncode != 0:
-        pytest.skip("not a git checkout: cannot tell the project's files from build outputs")
-    for name in filter(None, listed.stdout.split("\0")):
-        src = REPO / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
