@@ -90,9 +90,10 @@ def temp_name(final: Path) -> Path:
     return final.with_name(temp_pattern(final.name, os.getpid()).replace("*", secrets.token_hex(4)))
 
 
-def temp_pattern(name: str = "*", pid: int | str = "*") -> str:
-    """The glob matching what ``temp_name`` makes for file ``name`` (a glob too) written by ``pid``."""
-    return f".{name}.tmp-{pid}-*"
+def temp_pattern(name: str, pid: int | None = None) -> str:
+    """The glob matching what ``temp_name`` makes for file ``name`` (a glob too) in process ``pid``,
+    or in any process (also the ``.tmp-<pid>`` names of earlier versions)."""
+    return f".{name}.tmp-{pid}-*" if pid is not None else f".{name}.tmp-*"
 
 
 def open_new(path: Path, shared: bool = False) -> int:

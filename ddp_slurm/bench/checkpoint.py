@@ -11,7 +11,7 @@ writes):
 - save throughput: MiB/s of the synchronous save against the disk's own limit measured in the same
   run, a raw sequential write of the same size with fsync, in the same directory;
 - signal to durable: SIGUSR2 sent right after an asynchronous write has begun, until the stop
-  step's checkpoint is on disk (the in-flight write is finished first);
+  step's checkpoint is on disk (the in-flight write is cancelled first);
 - peak extra RSS of asynchronous saving (the host copy), sampled during the saves.
 """
 

@@ -20,8 +20,9 @@ where it is paid. On the 2-core test machine the two traded places from run to r
 0.64 vs 4.8 at 64 MiB, 1.19 vs 0.27 at 512 MiB; the load of other work decided it): see
 docs/checkpoints.md for the figures.
 ``save(state, urgent=True)`` is for the saves the process waits for next (a stop signal, the end of
-training): a process writer's in-flight write of an older step is cancelled (killed, its temporary
-file removed) and the new one runs at full priority; a thread's in-flight write is finished first.
+training): the in-flight write of an older step is cancelled (a process is killed, a thread stops at
+its next tensor or write; the temporary file is removed: the checkpoint before it stays the newest
+durable one until the urgent one is) and the new one runs at once, at full priority.
 
 Failures: an error in the writer (disk full, read-only file system) is kept and raised by the next
 ``poll()`` (call it every step), ``save()``, ``wait()`` or ``close()`` as one-line
@@ -80,17 +81,18 @@ class _Write:
 
 
 class _ThreadWrite(_Write):
-    def __init__(self, step: int, target: Callable[[], Path], events: list[torch.cuda.Event]) -> None:
+    def __init__(self, step: int, target: Callable[[threading.Event], Path], events: list[torch.cuda.Event]) -> None:
         super().__init__(step)
+        self._cancel = threading.Event()
         # Not a daemon: an interpreter that exits normally (an exception out of main) joins it first.
         self._thread = threading.Thread(target=self._run, args=(target, events), name=f"ckpt-writer-{step}")
         self._thread.start()
 
-    def _run(self, target: Callable[[], Path], events: list[torch.cuda.Event]) -> None:
+    def _run(self, target: Callable[[threading.Event], Path], events: list[torch.cuda.Event]) -> None:
         try:
             for event in events:
                 event.synchronize()
-            target()
+            target(self._cancel)
         except checkpoint.CheckpointError as exc:
             self.error = str(exc)
         except BaseException as exc:  # kept for the training thread: a thread's exception goes nowhere
@@ -103,6 +105,11 @@ class _ThreadWrite(_Write):
 
     def join(self) -> None:
         self._thread.join()
+
+    def cancel(self, folder: Path) -> None:
+        """checkpoint.save stops at its next tensor or write (milliseconds) and removes its temporary file."""
+        self._cancel.set()
+        self.join()
 
 
 class _ProcessWrite(_Write):
@@ -215,8 +222,8 @@ class AsyncCheckpointer:
     def save(self, state: dict[str, Any], urgent: bool = False) -> Path | None:
         """Checkpoint ``state`` (``state['step']`` names the file). Waits for the previous write first
         (raising its error). ``urgent``: the caller will wait for this write next (a stop signal, the
-        end of training): an in-flight write of an older step is cancelled where the writer is a
-        process, and the write runs at full priority. Returns the path when the save was synchronous,
+        end of training): an in-flight write of an older step is cancelled, and the write runs at full
+        priority. Returns the path when the save was synchronous,
         None when it was handed to the writer (``wait()`` returns the path once it is durable)."""
         if urgent and self._write is not None and not self._write.done():
             log.info("stop: cancelling the write of step %d for the newer step %d", self._write.step, state["step"])
@@ -237,7 +244,7 @@ class AsyncCheckpointer:
         else:
             snap, events = self._snap.copy(state)
             self._write = _ThreadWrite(
-                step, lambda: checkpoint.save(self.run_dir, snap, self.keep, self.shared), events
+                step, lambda cancel: checkpoint.save(self.run_dir, snap, self.keep, self.shared, cancel), events
             )
         return None
 
