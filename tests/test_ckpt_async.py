@@ -122,6 +122,20 @@ def test_urgent_save_cancels_an_older_write(tmp_path: Path, writer: str) -> None
     assert threading.active_count() == 1  # the cancelled writer thread is gone
 
 
+def test_a_stop_during_the_wait_for_an_older_write_cancels_it(tmp_path: Path, writer: str) -> None:
+    """A save that waits for the write in flight (not urgent) stops waiting once ``stop_pending`` says a
+    stop signal came: the older write is cancelled and this step is written, so the stop checkpoint
+    that follows never queues behind two writes."""
+    stop = threading.Event()
+    ckpt = AsyncCheckpointer(tmp_path, keep=10, writer=writer, stop_pending=stop.is_set)
+    ckpt.save({**small_state(1), "big": torch.rand(64 * 2**20)})  # 256 MiB: still being written below
+    threading.Timer(0.05, stop.set).start()
+    ckpt.save(small_state(2))
+    assert ckpt.wait() == tmp_path / "checkpoints" / "step-2.pt"
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2]
+    assert not list((tmp_path / "checkpoints").glob(".*tmp*"))
+
+
 def test_disabled_saves_synchronously(tmp_path: Path) -> None:
     ckpt = AsyncCheckpointer(tmp_path, keep=3, enabled=False)
     assert ckpt.save(small_state(3)) == tmp_path / "checkpoints" / "step-3.pt"

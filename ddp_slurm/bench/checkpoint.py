@@ -9,7 +9,8 @@ writes):
   host memory plus what the background write costs the steps that run beside it (their time minus
   the same number of undisturbed steps). ``stall_ratio`` = async stall / sync stall (world size 1);
 - save throughput: MiB/s of the synchronous save against the disk's own limit measured in the same
-  run, a raw sequential write of the same size with fsync, in the same directory;
+  run, raw sequential writes of the same size with fsync, in the same directory, into new files of
+  which the newest two stay (as the saves keep theirs);
 - signal to durable: SIGUSR2 sent right after an asynchronous write has begun, until the stop
   step's checkpoint is on disk (the in-flight write is cancelled first);
 - peak extra RSS of asynchronous saving (the host copy), sampled during the saves.
@@ -51,21 +52,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- the disk's own limit
 
 
-def raw_write_s(folder: Path, nbytes: int) -> float:
-    """Seconds to write ``nbytes`` sequentially (8 MiB writes) and fsync them, as a checkpoint is."""
+KEEP = 2  # checkpoints kept while the saves are measured; the raw-write baseline keeps as many files
+
+
+def raw_writes_s(folder: Path, nbytes: int, rounds: int) -> list[float]:
+    """Seconds for each of ``rounds`` sequential writes of ``nbytes`` (8 MiB writes) with fsync, as a
+    checkpoint is written: each into a new file, the newest ``KEEP`` kept as the measured saves keep
+    theirs. (A file deleted at once hands its page cache to the next write; kept files do not, and on
+    a virtual machine memory the guest has not touched yet can write several times slower.)"""
     chunk = os.urandom(8 << 20)
-    path = folder / "raw.bin"
-    start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, chunk[: min(left, len(chunk))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    seconds = time.perf_counter() - start
-    path.unlink()
+    seconds = []
+    for i in range(rounds):
+        path = folder / f"raw-{i}.bin"
+        start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, chunk[: min(left, len(chunk))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        seconds.append(time.perf_counter() - start)
+        (folder / f"raw-{i - KEEP}.bin").unlink(missing_ok=True)
+    for i in range(max(0, rounds - KEEP), rounds):
+        (folder / f"raw-{i}.bin").unlink()
     return seconds
 
 
@@ -138,7 +149,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=base))
     try:
         nbytes = int(args.state_mb * 2**20)
-        raw = [raw_write_s(folder, nbytes) for _ in range(args.rounds)]
+        raw = raw_writes_s(folder, nbytes, args.rounds)
         by_world = {str(w): launch_measure(args, w, folder) for w in worlds}
         other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
         # the other writer at the first world size, for the choice between them (ckpt_async's docstring)

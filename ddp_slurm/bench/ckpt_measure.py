@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm.bench import common
+from ddp_slurm.bench.checkpoint import KEEP
 from ddp_slurm.bench.ckpt_worker import Trainer, exchange
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.ckpt_async import AsyncCheckpointer
@@ -108,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         barrier()
         t = time.perf_counter()
         if rank == 0:
-            file_bytes = checkpoint.save(args.run_dir, tr.state(), keep=2).stat().st_size
+            file_bytes = checkpoint.save(args.run_dir, tr.state(), keep=KEEP).stat().st_size
         step()  # the other ranks wait in this step's exchange for rank 0
         sync.append(time.perf_counter() - t - step_s)
         for _ in range(SETTLE):
             step()
 
-    ckpt = AsyncCheckpointer(args.run_dir, keep=2, writer=args.writer)
+    ckpt = AsyncCheckpointer(args.run_dir, keep=KEEP, writer=args.writer)
     stall: list[float] = []
     snapshot: list[float] = []
     steps_in_write: list[tuple[int, float]] = []

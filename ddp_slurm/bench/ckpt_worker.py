@@ -149,6 +149,7 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
         enabled=args.mode == "async",
         writer=args.writer,
         on_durable=lambda path, t: emit("durable", path=str(path), step=int(path.stem.split("-")[1]), t=t),
+        stop_pending=lambda: stop.requested,
     )
     last_saved = tr.step
 

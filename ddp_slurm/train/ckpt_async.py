@@ -4,7 +4,8 @@
 ``checkpoint.save``: the same digest, temporary file, fsync, rename and pruning as a synchronous
 save, so a reader or a relaunch after SIGKILL sees the previous checkpoints or the new one, never
 half a file. At most one write is in flight: ``save`` first waits for the previous write, so host
-memory never holds more than one extra copy of the state.
+memory never holds more than one extra copy of the state; a stop signal that comes during that wait
+(``stop_pending``) cancels the previous write instead, so the stop checkpoint never queues behind it.
 
 Two writers, measured side by side by ``python -m ddp_slurm.bench checkpoint`` (docs/checkpoints.md):
 - ``writer="thread"`` (the default): the state is copied into host buffers that are kept and reused
@@ -75,6 +76,12 @@ class _Write:
     def join(self) -> None:
         raise NotImplementedError
 
+    def join_for(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for the write to end."""
+        deadline = time.monotonic() + seconds
+        while not self.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def cancel(self, folder: Path) -> None:
         """Stop the write if it can be stopped; wait for it otherwise."""
         self.join()
@@ -105,6 +112,9 @@ class _ThreadWrite(_Write):
 
     def join(self) -> None:
         self._thread.join()
+
+    def join_for(self, seconds: float) -> None:
+        self._thread.join(seconds)
 
     def cancel(self, folder: Path) -> None:
         """checkpoint.save stops at its next tensor or write (milliseconds) and removes its temporary file."""
@@ -195,8 +205,10 @@ class AsyncCheckpointer:
         writer: Writer | None = None,
         on_durable: Callable[[Path, float], None] | None = None,
         shared: bool = False,
+        stop_pending: Callable[[], bool] | None = None,
     ) -> None:
         self.run_dir, self.keep, self.enabled, self.shared = Path(run_dir), keep, enabled, shared
+        self.stop_pending = stop_pending
         self.writer: Writer = writer or "thread"
         self.on_durable = on_durable
         self._snap = Snapshotter()
@@ -221,15 +233,11 @@ class AsyncCheckpointer:
 
     def save(self, state: dict[str, Any], urgent: bool = False) -> Path | None:
         """Checkpoint ``state`` (``state['step']`` names the file). Waits for the previous write first
-        (raising its error). ``urgent``: the caller will wait for this write next (a stop signal, the
+        (raising its error), or cancels it once ``stop_pending()`` says a stop signal came. ``urgent``: the caller will wait for this write next (a stop signal, the
         end of training): an in-flight write of an older step is cancelled, and the write runs at full
         priority. Returns the path when the save was synchronous,
         None when it was handed to the writer (``wait()`` returns the path once it is durable)."""
-        if urgent and self._write is not None and not self._write.done():
-            log.info("stop: cancelling the write of step %d for the newer step %d", self._write.step, state["step"])
-            self._write.cancel(checkpoint.checkpoint_dir(self.run_dir))
-            self._write = None
-        self.wait()
+        self._settle(int(state["step"]), urgent)
         step = int(state["step"])
         if not self.enabled or not self._fits(state):
             return self._durable(checkpoint.save(self.run_dir, state, self.keep, self.shared), time.monotonic())
@@ -247,6 +255,20 @@ class AsyncCheckpointer:
                 step, lambda cancel: checkpoint.save(self.run_dir, snap, self.keep, self.shared, cancel), events
             )
         return None
+
+    def _settle(self, step: int, urgent: bool) -> None:
+        """Before a new write: wait for the one in flight (raising its error), or cancel it when this
+        save is urgent or a stop signal comes meanwhile (``stop_pending``): the stop checkpoint that
+        follows must not queue behind a write it supersedes."""
+        w = self._write
+        while w is not None and not w.done():
+            if urgent or (self.stop_pending is not None and self.stop_pending()):
+                log.info("stop: cancelling the write of step %d for the newer step %d", w.step, step)
+                w.cancel(checkpoint.checkpoint_dir(self.run_dir))
+                self._write = None
+                return
+            w.join_for(0.05)
+        self.wait()
 
     def poll(self) -> Path | None:
         """Once per step: the path of a write that became durable since the last call (None otherwise);

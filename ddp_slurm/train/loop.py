@@ -146,7 +146,13 @@ def train(
         return latest[0]
 
     # checkpoint.async: rank 0 writes in the background, at most one write in flight (ckpt_async.py)
-    ckpt = AsyncCheckpointer(cfg.run_dir, cfg.checkpoint.keep, enabled=cfg.checkpoint.async_save, shared=cfg.run.shared)
+    ckpt = AsyncCheckpointer(
+        cfg.run_dir,
+        cfg.checkpoint.keep,
+        enabled=cfg.checkpoint.async_save,
+        shared=cfg.run.shared,
+        stop_pending=lambda: stop.requested,  # a stop during a save's wait cancels the write it supersedes
+    )
     try:
         path = on_rank0(env, take_run_dir)  # only the path travels: each rank reads the file itself
         resumed = None if path is None else found["state"] if env.rank == 0 else checkpoint.load(path)
