@@ -57,9 +57,9 @@ KEEP = 2  # checkpoints kept while the saves are measured; the raw-write baselin
 
 def raw_writes_s(folder: Path, nbytes: int, rounds: int) -> list[float]:
     """Seconds for each of ``rounds`` sequential writes of ``nbytes`` (8 MiB writes) with fsync, as a
-    checkpoint is written: each into a new file, the newest ``KEEP`` kept as the measured saves keep
-    theirs. (A file deleted at once hands its page cache to the next write; kept files do not, and on
-    a virtual machine memory the guest has not touched yet can write several times slower.)"""
+    checkpoint is written: each into a new file, its pages then dropped from the cache
+    (``safefs.write_atomic`` does the same), the newest ``KEEP`` files kept as the measured saves
+    keep theirs."""
     chunk = os.urandom(8 << 20)
     seconds = []
     for i in range(rounds):
@@ -71,6 +71,8 @@ def raw_writes_s(folder: Path, nbytes: int, rounds: int) -> list[float]:
             while left > 0:
                 left -= os.write(fd, chunk[: min(left, len(chunk))])
             os.fsync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         seconds.append(time.perf_counter() - start)
