@@ -165,6 +165,8 @@ def save(
         sinks.append(_Sink(f, cancel))
         with torch_serialization.patch({"save.compute_crc32": False}):
             torch.save(state, sinks[0])
+        if cancel is not None and cancel.is_set():  # before the fsync: the dirty pages go unwritten
+            raise Cancelled
 
     try:
         safefs.make_dir(folder, shared)
