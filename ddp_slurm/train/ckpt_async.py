@@ -12,14 +12,13 @@ Two writers, measured side by side by ``python -m ddp_slurm.bench checkpoint`` (
   (pinned for GPU tensors: the copy is a DMA queued behind the step that made them), then a thread
   writes the copy. ``hashlib`` and file writes release the interpreter lock; pickling does not.
 - ``writer="process"``: a forked child writes the state it sees copy-on-write, at nice +10, and dies
-  with its parent (``PR_SET_PDEATHSIG``); it has its own interpreter lock and a stop can cancel it.
+  with its parent (``PR_SET_PDEATHSIG``); it has its own interpreter lock.
   Its cost is hidden in the parent: each page training changes while the child lives costs a page
   fault and a 4 KiB copy, and an optimizer changes all of its state every step.
 The thread is the default because it forks nothing (a process holding CUDA, NCCL and gloo state is
 not one to fork, and the GPU path of the process writer is not measured) and its cost is visible
-where it is paid. On the 2-core test machine the two traded places from run to run (stall ratio
-0.64 vs 4.8 at 64 MiB, 1.19 vs 0.27 at 512 MiB; the load of other work decided it): see
-docs/checkpoints.md for the figures.
+where it is paid. On the 2-core test machine the thread's stall was the smaller one at 64, 512 and
+2048 MiB (stall ratio 0.26 vs 0.88, 0.16 vs 1.66, 0.11 vs 2.88): docs/checkpoints.md has the figures.
 ``save(state, urgent=True)`` is for the saves the process waits for next (a stop signal, the end of
 training): the in-flight write of an older step is cancelled (a process is killed, a thread stops at
 its next tensor or write; the temporary file is removed: the checkpoint before it stays the newest
