@@ -63,6 +63,13 @@ def test_marks_found_in_the_metrics(tmp_path: Path) -> None:
     assert figures.world_size_changes(report.load(write_run(tmp_path / "same", 1e-3))) == []
 
 
+def test_overlay_marks_each_epoch_boundary_once(tmp_path: Path) -> None:
+    runs = [report.load(write_run(tmp_path / f"lr={lr}", lr)) for lr in (1e-3, 4e-3, 1.6e-2)]
+    at = [runs[0].samples(step) for step in (15, 25, 35)]
+    assert figures.overlay_epoch_boundaries(runs, by_samples=True) == at
+    assert figures.overlay_epoch_boundaries(runs, by_samples=False) == [15, 25, 35]
+
+
 def run_report(*args: str, cwd: Path, path_dir: Path | None = None) -> subprocess.CompletedProcess:
     env = base_env()
     if path_dir is not None:

@@ -42,6 +42,12 @@ def epoch_boundaries(run: Run) -> list[int]:
     return steps
 
 
+def overlay_epoch_boundaries(runs: list[Run], by_samples: bool) -> list[float]:
+    """Where the runs' epoch boundaries fall on an overlay's x axis (samples seen, or steps), each
+    position once: the runs of a sweep share theirs."""
+    return sorted({run.samples(step) if by_samples else step for run in runs for step in epoch_boundaries(run)})
+
+
 def world_size_changes(run: Run) -> list[tuple[int, float, int, int]]:
     """``(step, time_s, old, new)`` where a launch ran with another world size than the launch before
     (each launch's size from its ``start`` line, else from its first ``train`` line)."""
@@ -184,6 +190,10 @@ def plot_overlay(runs: list[Run], names: list[str], out: Path, title: str) -> Pa
             )
         for stop in run.stops:
             ax_rate.axvline(stop["time_s"], color=color, linestyle=":", linewidth=1)
+    for i, at in enumerate(overlay_epoch_boundaries(runs, by_samples)):
+        for ax in [ax_loss, ax_acc] + axes[3:]:
+            label = "epoch boundary" if i == 0 and ax is ax_loss else None
+            ax.axvline(at, color="tab:olive", linestyle=(0, (1, 4)), linewidth=1, label=label)
     _log_loss(ax_loss, runs)
     ax_loss.set(title="training loss", ylabel="loss")
     ax_acc.set(title="test accuracy", ylabel="accuracy (%)")
