@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from ddp_slurm.tasks.mnist.data import Split
 from ddp_slurm.tasks.mnist.task import MNIST, MNISTConfig
-from ddp_slurm.train import loader, step
+from ddp_slurm.train import checkpoint, loader, step
 from ddp_slurm.train.task import Tensors
 
 # How a survivor says it found a lost rank, after "no heartbeat for N s; ": the stall check saw the rank
@@ -17,6 +19,19 @@ from ddp_slurm.train.task import Tensors
 FOUND_BY_STALL = r"this rank waited \d+ s at step \d+ \(found before the backend's timeout\)"
 FOUND_BY_COLLECTIVE = r"this rank's collective failed with: "
 LOST_FOUND = rf"({FOUND_BY_STALL}|{FOUND_BY_COLLECTIVE}\S)"
+
+
+def checkpoint_files(run_dir: Path) -> dict[str, tuple[int, int, str]]:
+    """name -> (step, bytes, sha256) of every checkpoint file of a run that may still be training: a
+    file pruned between the listing and the read is left out (it was not there to lose)."""
+    found = {}
+    for at, path in checkpoint.list_checkpoints(run_dir):
+        try:
+            found[path.name] = (at, path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+        except FileNotFoundError:
+            continue
+    return found
+
 
 TASK = MNIST(MNISTConfig(), ctx=None)  # training_step and eval_step read neither config nor context
 

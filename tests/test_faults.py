@@ -12,7 +12,6 @@ the table of faults, outcomes and tests (including those that live in other test
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import io
 import os
 import re
@@ -182,18 +181,10 @@ def last_train_step(run_dir: Path) -> int:
     return max((r["step"] for r in rows(run_dir) if r["kind"] == "train"), default=0)
 
 
-def snapshot(run_dir: Path) -> dict[str, tuple[int, int, str]]:
-    """name -> (step, bytes, sha256) of every checkpoint file."""
-    return {
-        p.name: (step, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-        for step, p in checkpoint.list_checkpoints(run_dir)
-    }
-
-
 def lost_bytes(before: dict[str, tuple[int, int, str]], run_dir: Path) -> int:
     """Bytes of checkpoints from ``before`` that are now gone or changed. A file may only be gone
     because a newer valid checkpoint pruned it; a changed file is always a loss."""
-    now = snapshot(run_dir)
+    now = helpers.checkpoint_files(run_dir)
     newest_valid = -1
     for step, path in checkpoint.list_checkpoints(run_dir):
         try:
@@ -271,7 +262,7 @@ def test_rank_killed_mid_step_is_named_and_the_run_resumes(tmp_path: Path, start
     run = start(launcher.cmd_torchrun(2, *args))
     victim = run.workers(2)[1]
     run.until("training between two checkpoints", between_checkpoints(run_dir))
-    before = snapshot(run_dir)
+    before = helpers.checkpoint_files(run_dir)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     code = run.wait()
@@ -306,7 +297,7 @@ def test_hung_rank_is_named_after_the_collective_timeout(tmp_path: Path, start, 
     args = [*LONG, "dist.timeout_s=20", "run.name=hung"]
     ranks = [start(launcher.cmd_train(*args), env=rank_env(r, 2, port)) for r in (0, 1)]
     ranks[0].until("training between two checkpoints", between_checkpoints(run_dir))
-    before = snapshot(run_dir)
+    before = helpers.checkpoint_files(run_dir)
     os.kill(ranks[1].pid, signal.SIGSTOP)
     frozen = time.monotonic()
     try:
@@ -387,7 +378,7 @@ def test_unusable_newest_checkpoint_is_skipped_and_the_one_before_used(
     run_dir = copy_run(finished_run, tmp_path)
     newest = run_dir / "checkpoints" / "step-30.pt"
     newest.write_bytes(CORRUPT[how](newest.read_bytes()))
-    older = {k: v for k, v in snapshot(run_dir).items() if k != newest.name}
+    older = {k: v for k, v in helpers.checkpoint_files(run_dir).items() if k != newest.name}
 
     res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*SHORT), timeout=TIMEOUT_S)
     assert res.returncode == 0, res.stderr
@@ -472,7 +463,7 @@ def test_disk_full_during_a_save_stops_with_the_previous_checkpoints_intact(
     ), line
     assert [s for s, _ in checkpoint.list_checkpoints(run_dir)] == [20, 10] and not temporaries(run_dir)
     assert last_train_step(run_dir) == 30  # stopped at the failed save: no step 35
-    before = snapshot(run_dir)
+    before = helpers.checkpoint_files(run_dir)
     assert all(checkpoint.load(run_dir / "checkpoints" / name) for name in before)
 
     mounts("-o", "remount,size=64m", str(disk))
@@ -493,7 +484,7 @@ def test_read_only_run_directory_stops_with_one_line(finished_run: Path, tmp_pat
     folder = str(run_dir / "checkpoints")
     mounts("--bind", folder, folder)
     mounts("-o", "remount,bind,ro", folder)
-    before = snapshot(run_dir)
+    before = helpers.checkpoint_files(run_dir)
 
     res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*SHORT), timeout=TIMEOUT_S)
     assert res.returncode == 1, res.stderr
@@ -503,7 +494,7 @@ def test_read_only_run_directory_stops_with_one_line(finished_run: Path, tmp_pat
         r"are intact",
         line,
     ), line
-    assert snapshot(run_dir) == before
+    assert helpers.checkpoint_files(run_dir) == before
     assert [r for r in rows(run_dir) if r["kind"] == "start"][-1]["step"] == 20
 
     # The whole run directory read-only: refused before any work, in one line.
@@ -513,7 +504,7 @@ def test_read_only_run_directory_stops_with_one_line(finished_run: Path, tmp_pat
     assert res.returncode == 1, res.stderr
     [line] = error_lines(res.stderr)
     assert "cannot write the run directory runs/base: Read-only file system" in line, line
-    assert "Traceback" not in res.stderr and snapshot(run_dir) == before
+    assert "Traceback" not in res.stderr and helpers.checkpoint_files(run_dir) == before
 
 
 # =========================================================================== 5. two launches, one run
@@ -536,7 +527,7 @@ def test_second_launch_on_a_live_run_refuses_and_a_killed_run_does_not_block(
 
     os.killpg(first.pid, signal.SIGKILL)  # crashes without releasing anything
     first.popen.wait()
-    before = snapshot(run_dir)
+    before = helpers.checkpoint_files(run_dir)
     third = start(launcher.cmd_train(*args))
     resumed = wait_resumed(third, run_dir, 1)
     assert resumed["resumed"] is True and resumed["step"] == max(s for s, _, _ in before.values())
@@ -774,7 +765,7 @@ def test_burst_of_stop_signals_to_every_rank_is_one_clean_stop(tmp_path: Path, s
     run = start(launcher.cmd_torchrun(2, *LONG, "run.name=burst"))
     run.until("a checkpoint", lambda: len(checkpoint.list_checkpoints(run_dir)) >= 1)
     pids = run.workers(2)
-    before = snapshot(run_dir)
+    before = helpers.checkpoint_files(run_dir)
     for i in range(60):  # USR2 and TERM, interleaved, to both ranks, for about half a second
         try:
             os.kill(pids[i % 2], signal.SIGTERM if i % 3 == 0 else signal.SIGUSR2)

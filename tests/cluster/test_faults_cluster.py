@@ -24,7 +24,6 @@ the process whose environment has the job's SLURM_JOB_ID and its SLURM_PROCID.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import signal
@@ -174,13 +173,9 @@ def assert_nothing_left(job: Job) -> None:
     assert not job_processes(job.job_id), f"left running: {sorted(job_processes(job.job_id))}\n{job.describe()}"
 
 
-def snapshot(run_dir: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for _, p in checkpoint.list_checkpoints(run_dir)}
-
-
 def assert_checkpoints_intact(before: dict[str, str], run_dir: Path) -> None:
     """Nothing finished was lost: each earlier checkpoint is byte-identical, or pruned by a newer valid one."""
-    now = snapshot(run_dir)
+    now = helpers.checkpoint_files(run_dir)
     newest = checkpoint.latest(run_dir)
     assert newest is not None
     for name, digest in before.items():
@@ -196,7 +191,7 @@ def kill_mid_training(d: Driver, job: Job, rank: int) -> tuple[int, str, dict[st
     d.wait_for(job, "two checkpoints", lambda: len(checkpoint.list_checkpoints(job.run_dir)) >= 2)
     pid = d.wait_for(job, f"rank {rank}'s process", lambda: training_rank(job.job_id, rank))
     node = environ_of(pid).get("SLURMD_NODENAME", "?")
-    before = snapshot(job.run_dir)
+    before = helpers.checkpoint_files(job.run_dir)
     os.kill(pid, signal.SIGKILL)
     return pid, node, before, time.monotonic()
 
