@@ -117,8 +117,7 @@ def write_atomic(final: Path, write: Callable[[IO[bytes]], None], shared: bool =
             write(f)
             f.flush()
             os.fsync(f.fileno())
-            if hasattr(os, "posix_fadvise"):  # Linux; not macOS
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_cache(f.fileno())
         os.replace(tmp, final)
     except BaseException:
         try:
@@ -127,6 +126,15 @@ def write_atomic(final: Path, write: Callable[[IO[bytes]], None], shared: bool =
             pass
         raise
     fsync_dir(final.parent)
+
+
+def drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Tell the kernel that bytes ``offset .. offset+length`` of ``fd`` (0: to the end) will not be read soon
+    (``POSIX_FADV_DONTNEED``). Clean pages leave the page cache at once; dirty ones are first queued for
+    writing (Linux starts their writeback without waiting), so called as a file grows it also makes the
+    disk write behind the writer. A no-op where the call does not exist (macOS)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def open_owned(path: Path, flags: int, shared: bool = False) -> int:

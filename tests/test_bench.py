@@ -288,6 +288,7 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
         assert r["async_peak_extra_rss_bytes"] >= 0
     assert p["stall_ratio"] == pytest.approx(p["async_stall_s"] / p["sync_stall_s"])
     assert positive(p["raw_write_mib_s"]) and positive(p["sync_save_mib_s"]) and positive(p["save_vs_raw"])
+    assert positive(p["raw_write_behind_s"]["median"]) and positive(p["save_vs_raw_write_behind"])
     for mode in ("sync", "async"):
         s = p["signal"][mode]
         assert positive(s["signal_to_durable_s"]) and s["signal_to_exit_s"] >= s["signal_to_durable_s"] - 0.5

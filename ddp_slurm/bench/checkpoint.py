@@ -11,8 +11,10 @@ writes):
 - save throughput: MiB/s of the synchronous save against the disk's own limit measured in the same
   run, raw sequential writes of the same size with fsync, in the same directory, into new files of
   which the newest two stay (as the saves keep theirs);
-- signal to durable: SIGUSR2 sent right after an asynchronous write has begun, until the stop
-  step's checkpoint is on disk (the in-flight write is cancelled first);
+- signal to durable: SIGUSR2 at the worst moment, until the stop step's checkpoint is on disk:
+  asynchronous, right after a save handed its write to the writer and training went on (the stop
+  step then supersedes that write: cancelled, and the stop step written); synchronous, as a save
+  begins (it finishes, and is the stop step);
 - peak extra RSS of asynchronous saving (the host copy), sampled during the saves.
 """
 
@@ -32,7 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm import safefs
 from ddp_slurm.bench import common
+from ddp_slurm.train import ckpt_seal
 
 SYNC_STEPS_AFTER = 5  # steps between two measured saves, so each starts from a steady state
 
@@ -55,11 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 KEEP = 2  # checkpoints kept while the saves are measured; the raw-write baseline keeps as many files
 
 
-def raw_writes_s(folder: Path, nbytes: int, rounds: int) -> list[float]:
+def raw_writes_s(folder: Path, nbytes: int, rounds: int, write_behind: bool = False) -> list[float]:
     """Seconds for each of ``rounds`` sequential writes of ``nbytes`` (8 MiB writes) with fsync, as a
     checkpoint is written: each into a new file, its pages then dropped from the cache
     (``safefs.write_atomic`` does the same), the newest ``KEEP`` files kept as the measured saves
-    keep theirs."""
+    keep theirs. ``write_behind``: also start the disk writing every ``ckpt_seal.WRITE_BEHIND`` bytes,
+    as a save does (a plain write leaves it to the fsync)."""
     chunk = os.urandom(8 << 20)
     seconds = []
     for i in range(rounds):
@@ -67,12 +72,14 @@ def raw_writes_s(folder: Path, nbytes: int, rounds: int) -> list[float]:
         start = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            left = nbytes
-            while left > 0:
-                left -= os.write(fd, chunk[: min(left, len(chunk))])
+            written = behind = 0
+            while written < nbytes:
+                written += os.write(fd, chunk[: min(nbytes - written, len(chunk))])
+                if write_behind and written - behind >= ckpt_seal.WRITE_BEHIND:
+                    safefs.drop_cache(fd, behind, written - behind)
+                    behind = written
             os.fsync(fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            safefs.drop_cache(fd)
         finally:
             os.close(fd)
         seconds.append(time.perf_counter() - start)
@@ -100,8 +107,8 @@ def launch_measure(args: argparse.Namespace, world: int, folder: Path, writer: s
 
 
 def signal_to_durable(args: argparse.Namespace, folder: Path, mode: str) -> dict[str, Any]:
-    """SIGUSR2 right after a save began (async: while it is being written); seconds until the stop
-    step's checkpoint is durable, and until the process has exited."""
+    """SIGUSR2 as the step-40 save begins (sync) or right after it handed its write over (async); seconds
+    until the stop step's checkpoint is durable, and until the process has exited."""
     run_dir = folder / f"signal-{mode}"
     cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_worker", "--run-dir", str(run_dir), "--mode", mode]
     cmd += ["--state-mb", str(args.state_mb), "--steps", "100000", "--every", "20"]
@@ -116,7 +123,7 @@ def signal_to_durable(args: argparse.Namespace, folder: Path, mode: str) -> dict
         for line in proc.stdout:
             event = json.loads(line)
             events.append(event)
-            if event["event"] == "begin" and event["step"] == 40 and sent is None:
+            if event["event"] == ("handed" if mode == "async" else "begin") and event["step"] == 40 and sent is None:
                 sent = time.monotonic()
                 proc.send_signal(signal.SIGUSR2)
         code = proc.wait()
@@ -152,6 +159,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     try:
         nbytes = int(args.state_mb * 2**20)
         raw = raw_writes_s(folder, nbytes, args.rounds)
+        raw_behind = raw_writes_s(folder, nbytes, args.rounds, write_behind=True)
         by_world = {str(w): launch_measure(args, w, folder) for w in worlds}
         other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
         # the other writer at the first world size, for the choice between them (ckpt_async's docstring)
@@ -171,6 +179,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             "directory": str(base),
             "raw_write_s": common.summary(raw),
             "raw_write_mib_s": args.state_mb / raw_s,
+            "raw_write_behind_s": common.summary(raw_behind),
             "worlds": by_world,
             "writers": writers,
             "sync_stall_s": first["sync_stall_s"]["median"],
@@ -178,6 +187,10 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             "stall_ratio": first["async_stall_s"]["median"] / first["sync_stall_s"]["median"],
             "sync_save_mib_s": mib / first["sync_stall_s"]["median"],
             "save_vs_raw": (mib / first["sync_stall_s"]["median"]) / (args.state_mb / raw_s),
+            "save_vs_raw_write_behind": statistics.median(raw_behind)
+            / first["sync_stall_s"]["median"]
+            * mib
+            / args.state_mb,
             "signal": signals,
             "signal_budget_s": raw_s + 2.0,
             "async_peak_extra_rss_mib": first["async_peak_extra_rss_bytes"] / 2**20,
@@ -209,7 +222,8 @@ def render(p: dict[str, Any]) -> str:
     notes = [
         f"disk: raw sequential write + fsync of {p['params']['state_mb']:g} MiB: {p['raw_write_s']['median']:.2f} s "
         f"({p['raw_write_mib_s']:,.0f} MiB/s); synchronous save {p['sync_save_mib_s']:,.0f} MiB/s = "
-        f"{100 * p['save_vs_raw']:.0f}% of it",
+        f"{100 * p['save_vs_raw']:.0f}% of it (a raw write that also writes behind, as the save does: "
+        f"{p['raw_write_behind_s']['median']:.2f} s; the save is {100 * p['save_vs_raw_write_behind']:.0f}% of it)",
         f"signal to durable stop checkpoint: async {sig['async']['signal_to_durable_s']:.2f} s, sync "
         f"{sig['sync']['signal_to_durable_s']:.2f} s (budget: raw write + 2 s = {p['signal_budget_s']:.2f} s)",
         f"stall_ratio (world size 1) = {p['stall_ratio']:.3f}",

@@ -8,11 +8,13 @@ subject and the harness of the checkpoint tests, and it follows the sequence the
 
 - every step: ``ckpt.poll()``; a writer failure is folded into the ranks' per-step flag exchange, so
   every rank stops at the same step and rank 0 raises the one-line error (exit 1);
+- after a save, the flags once more: a signal that came during the save stops at the step just saved;
 - a stop signal: save the stop step unless it is the one just saved, with ``urgent=True`` (an
-  older step's write still in flight is cancelled, or waited for by a thread writer), ``ckpt.wait()``,
-  then exit 75; the end of training: the final save with ``urgent=True``, ``wait()``.
+  older step's write still in flight is cancelled), ``ckpt.wait()``, then exit 75; the end of
+  training: the final save with ``urgent=True``, ``wait()``.
 
-It prints one JSON line per event on stdout (``ready``, ``begin``, ``durable``, ``stopped``, ...) with
+It prints one JSON line per event on stdout (``ready``, ``begin``, ``handed`` (the save returned to
+training; with async, its write goes on), ``durable``, ``stopped``, ...) with
 ``t`` from ``time.monotonic()`` (one clock for every process of the host on Linux).
 """
 
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
         if rank == 0:
             emit("begin", step=tr.step, finished=finished)
             ckpt.save(tr.state(finished), urgent=urgent)
+            emit("handed", step=tr.step)
         last_saved = tr.step
 
     emit("ready", step=tr.step, pid=os.getpid(), rank=rank)
@@ -172,8 +175,11 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
             stopping, failed = exchange([float(stop.requested), float(rank == 0 and ckpt.failed)], world)
             if failed:
                 break
-            if tr.step % args.every == 0 and tr.step < args.steps:
+            if tr.step % args.every == 0 and tr.step < args.steps and not stopping:
                 save()
+                stopping, failed = exchange([float(stop.requested), float(rank == 0 and ckpt.failed)], world)
+                if failed:
+                    break
             if stopping:
                 break
         if failed:

@@ -5,15 +5,19 @@ Writing: rank 0 serialises to a temporary file in the same directory, flushes an
 sees either the previous set of checkpoints or the new one, never half a file. Only then are old
 ones pruned to ``keep``.
 
-Reading: ``torch.load(weights_only=True)`` (a tampered file cannot run code), then a structural check
-and a SHA-256 over every tensor's bytes and every plain value, recorded at save time. A zip container
-does not notice a flipped bit inside tensor data (nor in the pickled step or epoch); the digest does.
+Sealing (format 3, ``ckpt_seal``): the SHA-256 of every byte of the file, computed while the bytes are
+written and appended as a trailer. A zip container does not notice a flipped bit inside tensor data
+(nor in the pickled step or epoch); the seal does. Formats 1 and 2 kept a digest of the tensors and
+plain values inside the pickle (``content_digest``), which had to be computed before the write began.
+
+Reading: the seal first, then ``torch.load(weights_only=True)`` (a tampered file cannot run code) of the
+same open file, then a structural check.
 ``latest`` walks from the newest step down and returns the first checkpoint that passes, holds the
 step its name says and is accepted by the run (``accept``: same config, same model, every entry the
 loop needs), warning about each one it skips. Pruning counts only files that load and hold the step
 their name says; anything else in the folder is left alone.
 
-torch's own CRC-32 of each zip record is switched off when saving: the digest already covers every byte
+torch's own CRC-32 of each zip record is switched off when saving: the seal already covers every byte
 the CRC would, torch.load does not check it, and computing it cost a third of the save (0.2 s per
 512 MiB, as much as the write itself).
 
@@ -36,11 +40,13 @@ import torch
 from torch.utils.serialization import config as torch_serialization
 
 from ddp_slurm import safefs
+from ddp_slurm.train import ckpt_seal
+from ddp_slurm.train.ckpt_seal import Cancelled
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
-READABLE_FORMATS = (1, 2)  # 1: this release's earlier layout, upgraded on load (train.state.upgrade)
+FORMAT = 3  # 3: sealed (ckpt_seal); 2: the digest inside the pickle; 1: also an older layout (state.upgrade)
+READABLE_FORMATS = (1, 2, 3)
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 REQUIRED = {
     "format": int,
@@ -48,16 +54,11 @@ REQUIRED = {
     "step": int,
     "epoch": int,
     "finished": bool,
-    "content_sha256": str,
 }
 
 
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be used, or one cannot be written. One line, names the files."""
-
-
-class Cancelled(Exception):
-    """The save was cancelled (``save(cancel=...)``): nothing was written, the temporary file is gone."""
 
 
 class UnsafeCheckpoint(CheckpointError, safefs.UnsafePath):
@@ -101,42 +102,17 @@ def _skeleton(obj: Any) -> Any:
     return obj
 
 
-def content_digest(state: dict[str, Any], cancel: threading.Event | None = None) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of every tensor outside the digest field, and
-    over every plain value: a flipped bit in the pickled step or epoch must not pass either.
-    ``cancel``: checked between tensors; raises Cancelled once set."""
+def content_digest(state: dict[str, Any]) -> str:
+    """The digest formats 1 and 2 kept in ``state["content_sha256"]``: SHA-256 over the names, dtypes,
+    shapes and bytes of every tensor outside that field, and over every plain value."""
     h = hashlib.sha256()
     body = {k: v for k, v in state.items() if k != "content_sha256"}
     for name, t in _tensors(body):
-        if cancel is not None and cancel.is_set():
-            raise Cancelled
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # no copy; hashlib drops the GIL
     h.update(repr(_skeleton(body)).encode())
     return h.hexdigest()
-
-
-class _Sink:
-    """The file object torch.save writes to, keeping the first OSError: torch's zip writer turns a
-    failed write (ENOSPC, EDQUOT, EIO) into "unexpected pos 326144 vs 326036" and loses the reason.
-    Each write (one zip record or a piece of one) first checks ``cancel``."""
-
-    def __init__(self, f: Any, cancel: threading.Event | None) -> None:
-        self._f, self._cancel = f, cancel
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        if self._cancel is not None and self._cancel.is_set():
-            raise Cancelled
-        try:
-            return self._f.write(data)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()
 
 
 def file_name(step: int | str) -> str:
@@ -153,20 +129,21 @@ def save(
     (``safefs.write_atomic``); ``shared``: ``run.shared`` (file and directory modes).
     Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
     the disk fills up; a half-written temporary file is removed. ``cancel`` (another thread sets it):
-    the save stops at its next tensor or write and raises Cancelled, leaving nothing behind.
+    the save stops at its next write and raises Cancelled, leaving nothing behind.
     """
     folder = checkpoint_dir(run_dir)
     final = folder / file_name(state["step"])
-    state = dict(state, format=FORMAT)
-    state["content_sha256"] = content_digest(state, cancel)
-    sinks: list[_Sink] = []
+    state = {k: v for k, v in state.items() if k != "content_sha256"} | {"format": FORMAT}
+    sinks: list[ckpt_seal.Sink] = []
 
     def write(f: Any) -> None:
-        sinks.append(_Sink(f, cancel))
-        with torch_serialization.patch({"save.compute_crc32": False}):
-            torch.save(state, sinks[0])
-        if cancel is not None and cancel.is_set():  # before the fsync: the dirty pages go unwritten
-            raise Cancelled
+        with ckpt_seal.Sink(f, cancel) as sink:
+            sinks.append(sink)
+            with torch_serialization.patch({"save.compute_crc32": False}):
+                torch.save(state, sink)
+            if cancel is not None and cancel.is_set():  # before the fsync: the dirty pages go unwritten
+                raise Cancelled
+            sink.seal()
 
     try:
         safefs.make_dir(folder, shared)
@@ -232,8 +209,9 @@ def remove_stale_temporaries(run_dir: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def validate(state: Any) -> None:
-    """Raise ValueError if ``state`` is not a complete, untampered checkpoint."""
+def validate(state: Any, sealed: bool = False) -> None:
+    """Raise ValueError if ``state`` is not a complete, untampered checkpoint. ``sealed``: its file's seal
+    was checked (``ckpt_seal.check``); format 3 needs it, formats 1 and 2 carry their own digest."""
     if not isinstance(state, dict):
         raise ValueError(f"not a checkpoint (a {type(state).__name__})")
     for key, tp in REQUIRED.items():
@@ -241,7 +219,10 @@ def validate(state: Any) -> None:
             raise ValueError(f"missing or wrong-typed {key!r}")
     if state["format"] not in READABLE_FORMATS:
         raise ValueError(f"format {state['format']} (this version reads formats {READABLE_FORMATS})")
-    if content_digest(state) != state["content_sha256"]:
+    if state["format"] >= 3:
+        if not sealed:
+            raise ValueError("no digest at the end of the file (cut short, or rewritten by another program)")
+    elif not isinstance(state.get("content_sha256"), str) or content_digest(state) != state["content_sha256"]:
         raise ValueError("content digest mismatch (corrupted data)")
     for name, t in _tensors(state["model"]):
         if t.is_floating_point() and not torch.isfinite(t).all():
@@ -251,10 +232,16 @@ def validate(state: Any) -> None:
 def load(path: Path) -> dict[str, Any]:
     """Load and validate one checkpoint; ValueError with the reason when it is unusable."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated zip, garbage, pickle with code in it, ...
-        raise ValueError(f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    validate(state)
+        with open(path, "rb") as f:  # one open file for the seal and the load: never a seal of another file
+            sealed = ckpt_seal.check(f)
+            f.seek(0)
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except ckpt_seal.Mismatch:
+        raise
+    except Exception as exc:  # truncated zip, garbage, pickle with code in it, a read error, ...
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"unreadable ({type(exc).__name__}: {reason})") from None
+    validate(state, sealed)
     return state
 
 

@@ -1,0 +1,142 @@
+"""The checkpoint seal (format 3): the SHA-256 of every byte, computed while written, as a trailer.
+
+Checked against an independent reading of the file (hashlib over the bytes before the trailer), with
+states big enough that pieces go through the helper thread and the write-behind, and against each way
+a sealed file can go wrong: a flipped bit anywhere, a cut-off tail, a file rewritten without its seal.
+Files of the earlier formats (the digest inside the pickle) still load, and still catch a flipped bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddp_slurm.train import checkpoint, ckpt_seal
+
+
+def big_state(step: int, mib: int) -> dict[str, Any]:
+    """``mib`` MiB of float32 in 4 MiB tensors (each over OVERLAP_MIN), a small one, plain values."""
+    g = torch.Generator().manual_seed(step)
+    layers = {f"layer{i}": torch.rand(1 << 20, generator=g) for i in range(mib // 4)}
+    return {
+        "model": {"bias": torch.rand(7, generator=g), **layers},
+        "step": step,
+        "epoch": 1,
+        "finished": False,
+        "history": [0.5, 0.25],
+    }
+
+
+def split(path: Path) -> tuple[bytes, bytes]:
+    data = path.read_bytes()
+    return data[: -ckpt_seal.TRAILER_BYTES], data[-ckpt_seal.TRAILER_BYTES :]
+
+
+@pytest.mark.parametrize("mib", [0, 8, 40])  # 40 MiB: more than two WRITE_BEHIND windows
+def test_the_seal_is_the_sha256_of_every_byte_before_it(tmp_path: Path, mib: int) -> None:
+    assert 40 << 20 > 2 * ckpt_seal.WRITE_BEHIND and 4 << 20 >= ckpt_seal.OVERLAP_MIN
+    state = big_state(3, mib)
+    path = checkpoint.save(tmp_path, state, keep=2)
+    body, tail = split(path)
+    assert tail == b"\nddp_slurm-sha256 " + hashlib.sha256(body).hexdigest().encode() + b"\n"
+    # A sealed file is still a plain torch.save file for any reader (the trailer follows the zip archive).
+    for mmap in (False, True):
+        plain = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        assert plain["step"] == 3 and plain["format"] == checkpoint.FORMAT
+        assert all(torch.equal(plain["model"][k], v) for k, v in state["model"].items())
+    loaded = checkpoint.load(path)
+    assert loaded["history"] == [0.5, 0.25] and torch.equal(loaded["model"]["bias"], state["model"]["bias"])
+    with open(path, "rb") as f:
+        assert ckpt_seal.check(f) is True
+
+
+@pytest.mark.parametrize("where", ["zip header", "pickle", "tensor data", "zip directory", "the seal itself"])
+def test_a_flipped_bit_anywhere_fails_the_seal(tmp_path: Path, where: str) -> None:
+    path = checkpoint.save(tmp_path, big_state(5, 8), keep=2)
+    data = bytearray(path.read_bytes())
+    body_len = len(data) - ckpt_seal.TRAILER_BYTES
+    at = {
+        "zip header": 10,
+        "pickle": data.index(b"history"),
+        "tensor data": body_len // 2,
+        "zip directory": data.rindex(b"PK\x01\x02") + 20,
+        "the seal itself": body_len + len(ckpt_seal.MAGIC) + 5,
+    }[where]
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="digest mismatch"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["cut inside the seal", "seal removed", "rewritten by torch.save"],
+)
+def test_a_format_3_file_without_its_seal_is_refused(tmp_path: Path, how: str) -> None:
+    path = checkpoint.save(tmp_path, big_state(7, 4), keep=2)
+    body, tail = split(path)
+    if how == "cut inside the seal":
+        path.write_bytes(body + tail[:-1])
+    elif how == "seal removed":
+        path.write_bytes(body)
+    else:  # e.g. a script that loaded it, changed a value and saved it again
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        torch.save(dict(state, epoch=2), path)
+    with open(path, "rb") as f:
+        assert ckpt_seal.check(f) is False
+    with pytest.raises(ValueError, match="no digest at the end of the file"):
+        checkpoint.load(path)
+
+
+def format_2_file(path: Path, state: dict[str, Any]) -> None:
+    """A checkpoint as the previous release wrote it: the digest inside the pickle, no seal."""
+    old = dict(state, format=2)
+    old["content_sha256"] = checkpoint.content_digest(old)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(old, path)
+
+
+def test_format_2_files_still_load_and_still_catch_a_flipped_value(tmp_path: Path) -> None:
+    state = big_state(9, 4)
+    path = checkpoint.checkpoint_dir(tmp_path) / checkpoint.file_name(9)
+    format_2_file(path, state)
+    loaded = checkpoint.load(path)
+    assert loaded["format"] == 2 and torch.equal(loaded["model"]["layer0"], state["model"]["layer0"])
+    assert checkpoint.latest(tmp_path)[1]["step"] == 9
+    # Saved again (as a resumed run does), it becomes format 3, its old digest field dropped.
+    again = checkpoint.save(tmp_path, dict(loaded, step=10), keep=2)
+    assert "content_sha256" not in checkpoint.load(again) and checkpoint.load(again)["format"] == 3
+    format_2_file(path, dict(state, epoch=4))
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    buf = io.BytesIO()
+    torch.save(dict(data, epoch=5), buf)  # a changed value under the old digest
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(ValueError, match="content digest mismatch"):
+        checkpoint.load(path)
+
+
+def test_a_cancel_stops_the_sink_before_the_next_piece(tmp_path: Path) -> None:
+    cancel = threading.Event()
+    target = tmp_path / "out.bin"
+    with open(target, "wb") as f, ckpt_seal.Sink(f, cancel) as sink:
+        sink.write(b"x" * (2 << 20))
+        cancel.set()
+        with pytest.raises(ckpt_seal.Cancelled):
+            sink.write(b"y" * 10)
+    assert target.stat().st_size == 2 << 20
+
+
+def test_the_sink_keeps_the_first_os_error(tmp_path: Path) -> None:
+    """A full disk (ENOSPC) as torch's zip writer would see it: the reason is kept for the one-line error."""
+    with open("/dev/full", "wb", buffering=0) as f, ckpt_seal.Sink(f) as sink:
+        with pytest.raises(OSError):
+            sink.write(b"z" * (2 << 20))
+        with pytest.raises(OSError):
+            sink.seal()
+        assert sink.error is not None and "No space left" in sink.error.strerror
