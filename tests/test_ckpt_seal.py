@@ -1,4 +1,4 @@
-"""The checkpoint seal (format 3): the SHA-256 of every byte, computed while written, as a trailer.
+"""The checkpoint seal (format 3): a SHA-256 tree over every byte, computed while written, as a trailer.
 
 Checked against an independent reading of the file (hashlib over the bytes before the trailer), with
 states big enough that pieces go through the helper thread and the write-behind, and against each way
@@ -38,13 +38,20 @@ def split(path: Path) -> tuple[bytes, bytes]:
     return data[: -ckpt_seal.TRAILER_BYTES], data[-ckpt_seal.TRAILER_BYTES :]
 
 
-@pytest.mark.parametrize("mib", [0, 8, 40])  # 40 MiB: more than two WRITE_BEHIND windows
-def test_the_seal_is_the_sha256_of_every_byte_before_it(tmp_path: Path, mib: int) -> None:
-    assert 40 << 20 > 2 * ckpt_seal.WRITE_BEHIND and 4 << 20 >= ckpt_seal.OVERLAP_MIN
+def expected_trailer(body: bytes) -> bytes:
+    """The documented seal, computed here on its own: SHA-256 of the SHA-256s of 16 MiB slices."""
+    slices = [hashlib.sha256(body[i : i + (16 << 20)]).digest() for i in range(0, len(body), 16 << 20)]
+    return b"\nddp_slurm-sha256-16MiB-slices " + hashlib.sha256(b"".join(slices)).hexdigest().encode() + b"\n"
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+@pytest.mark.parametrize("mib", [0, 8, 40])  # 40 MiB: more than two slices
+def test_the_seal_covers_every_byte_before_it(tmp_path: Path, mib: int, threads: int) -> None:
+    assert 40 << 20 > 2 * ckpt_seal.SLICE and 4 << 20 >= ckpt_seal.OVERLAP_MIN
     state = big_state(3, mib)
-    path = checkpoint.save(tmp_path, state, keep=2)
+    path = checkpoint.save(tmp_path, state, keep=2, hash_threads=threads)
     body, tail = split(path)
-    assert tail == b"\nddp_slurm-sha256 " + hashlib.sha256(body).hexdigest().encode() + b"\n"
+    assert tail == expected_trailer(body)
     # A sealed file is still a plain torch.save file for any reader (the trailer follows the zip archive).
     for mmap in (False, True):
         plain = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -53,6 +60,23 @@ def test_the_seal_is_the_sha256_of_every_byte_before_it(tmp_path: Path, mib: int
     loaded = checkpoint.load(path)
     assert loaded["history"] == [0.5, 0.25] and torch.equal(loaded["model"]["bias"], state["model"]["bias"])
     with open(path, "rb") as f:
+        assert ckpt_seal.check(f) is True
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_pieces_of_any_size_across_slice_boundaries(tmp_path: Path, threads: int) -> None:
+    """What torch.save hands over: small headers, records of any size, some far bigger than a slice."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [30, 1, (3 << 20) + 7, 0, 64, (16 << 20) - 9, 9, (37 << 20) + 1, 5, 1 << 20, (16 << 20) * 2]
+    pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes() for n in sizes]
+    target = tmp_path / "pieces.bin"
+    with open(target, "wb") as f, ckpt_seal.Sink(f, threads=threads) as sink:
+        for piece in pieces:
+            assert sink.write(memoryview(piece)) == len(piece)
+        sink.seal()
+    body, tail = split(target)
+    assert body == b"".join(pieces) and tail == expected_trailer(body)
+    with open(target, "rb") as f:
         assert ckpt_seal.check(f) is True
 
 

@@ -7,10 +7,12 @@ writes):
 
 - stall per checkpoint: synchronous, the time ``checkpoint.save`` blocks; asynchronous, the copy to
   host memory plus what the background write costs the steps that run beside it (their time minus
-  the same number of undisturbed steps). ``stall_ratio`` = async stall / sync stall (world size 1);
-- save throughput: MiB/s of the synchronous save against the disk's own limit measured in the same
-  run, raw sequential writes of the same size with fsync, in the same directory, into new files of
-  which the newest two stay (as the saves keep theirs);
+  the same number of undisturbed steps, timed right after the write). ``stall_ratio`` = async stall / sync stall (world size 1);
+- save throughput: MiB/s of the synchronous save against the disk's own limit: raw sequential writes
+  of the same size with fsync, in the same directory, into new files of which the newest two stay (as
+  the saves keep theirs), each right before a synchronous save, so that both meet the same disk and
+  the same state of the machine's memory (also a raw write that starts the disk writing behind it
+  as the save does, for reference);
 - signal to durable: SIGUSR2 at the worst moment, until the stop step's checkpoint is on disk:
   asynchronous, right after a save handed its write to the writer and training went on (the stop
   step then supersedes that write: cancelled, and the stop step written); synchronous, as a save
@@ -25,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,33 +60,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 KEEP = 2  # checkpoints kept while the saves are measured; the raw-write baseline keeps as many files
 
 
-def raw_writes_s(folder: Path, nbytes: int, rounds: int, write_behind: bool = False) -> list[float]:
-    """Seconds for each of ``rounds`` sequential writes of ``nbytes`` (8 MiB writes) with fsync, as a
-    checkpoint is written: each into a new file, its pages then dropped from the cache
-    (``safefs.write_atomic`` does the same), the newest ``KEEP`` files kept as the measured saves
-    keep theirs. ``write_behind``: also start the disk writing every ``ckpt_seal.WRITE_BEHIND`` bytes,
-    as a save does (a plain write leaves it to the fsync)."""
+def raw_write_s(folder: Path, nbytes: int, index: int, write_behind: bool = False) -> float:
+    """Seconds for one sequential write of ``nbytes`` (8 MiB writes) with fsync, as a checkpoint is
+    written: into a new file ``raw-<index>.bin``, its pages then dropped from the cache
+    (``safefs.write_atomic`` does the same); the file ``KEEP`` writes older is deleted, so as many stay
+    as the measured saves keep. ``write_behind``: also start the disk writing every
+    ``ckpt_seal.SLICE`` bytes, as a save does (a plain write leaves it all to the fsync)."""
     chunk = os.urandom(8 << 20)
-    seconds = []
-    for i in range(rounds):
-        path = folder / f"raw-{i}.bin"
-        start = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            written = behind = 0
-            while written < nbytes:
-                written += os.write(fd, chunk[: min(nbytes - written, len(chunk))])
-                if write_behind and written - behind >= ckpt_seal.WRITE_BEHIND:
-                    safefs.drop_cache(fd, behind, written - behind)
-                    behind = written
-            os.fsync(fd)
-            safefs.drop_cache(fd)
-        finally:
-            os.close(fd)
-        seconds.append(time.perf_counter() - start)
-        (folder / f"raw-{i - KEEP}.bin").unlink(missing_ok=True)
-    for i in range(max(0, rounds - KEEP), rounds):
-        (folder / f"raw-{i}.bin").unlink()
+    start = time.perf_counter()
+    fd = os.open(folder / f"raw-{index}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = behind = 0
+        while written < nbytes:
+            written += os.write(fd, chunk[: min(nbytes - written, len(chunk))])
+            if write_behind and written - behind >= ckpt_seal.SLICE:
+                safefs.drop_cache(fd, behind, written - behind)
+                behind = written
+        os.fsync(fd)
+        safefs.drop_cache(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    (folder / f"raw-{index - KEEP}.bin").unlink(missing_ok=True)
     return seconds
 
 
@@ -157,9 +153,6 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     base.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=base))
     try:
-        nbytes = int(args.state_mb * 2**20)
-        raw = raw_writes_s(folder, nbytes, args.rounds)
-        raw_behind = raw_writes_s(folder, nbytes, args.rounds, write_behind=True)
         by_world = {str(w): launch_measure(args, w, folder) for w in worlds}
         other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
         # the other writer at the first world size, for the choice between them (ckpt_async's docstring)
@@ -168,8 +161,8 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         signals = {mode: signal_to_durable(args, folder, mode) for mode in ("sync", "async")}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    raw_s = statistics.median(raw)
     first = by_world[str(worlds[0])]
+    raw_s, behind_s = first["raw_write_s"]["median"], first["raw_write_behind_s"]["median"]
     mib = first["file_bytes"] / 2**20
     payload = common.header(
         "checkpoint", "cpu", threads, state_mb=args.state_mb, rounds=args.rounds, worlds=worlds, width=args.width
@@ -177,9 +170,9 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     payload.update(
         {
             "directory": str(base),
-            "raw_write_s": common.summary(raw),
+            "raw_write_s": first["raw_write_s"],
             "raw_write_mib_s": args.state_mb / raw_s,
-            "raw_write_behind_s": common.summary(raw_behind),
+            "raw_write_behind_s": first["raw_write_behind_s"],
             "worlds": by_world,
             "writers": writers,
             "sync_stall_s": first["sync_stall_s"]["median"],
@@ -187,10 +180,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             "stall_ratio": first["async_stall_s"]["median"] / first["sync_stall_s"]["median"],
             "sync_save_mib_s": mib / first["sync_stall_s"]["median"],
             "save_vs_raw": (mib / first["sync_stall_s"]["median"]) / (args.state_mb / raw_s),
-            "save_vs_raw_write_behind": statistics.median(raw_behind)
-            / first["sync_stall_s"]["median"]
-            * mib
-            / args.state_mb,
+            "save_vs_raw_write_behind": behind_s / first["sync_stall_s"]["median"] * mib / args.state_mb,
             "signal": signals,
             "signal_budget_s": raw_s + 2.0,
             "async_peak_extra_rss_mib": first["async_peak_extra_rss_bytes"] / 2**20,

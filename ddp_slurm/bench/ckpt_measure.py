@@ -1,8 +1,9 @@
 """The measuring rank of ``python -m ddp_slurm.bench checkpoint`` (one process per rank; rank 0 writes).
 
 Phases, all in one process so that they share the state, the disk and the machine's load:
-undisturbed steps (the baseline step time), ``--rounds`` synchronous saves, ``--rounds``
-asynchronous saves, each followed by steps. Every step ends with the ranks' flag exchange, as the
+undisturbed steps (the baseline step time), ``--rounds`` synchronous saves (rank 0 writes the two
+raw files of the same size right before each: the disk's limit under the same conditions),
+``--rounds`` asynchronous saves, each followed by steps. Every step ends with the ranks' flag exchange, as the
 training loop's does, so a rank that is held up holds the others up too.
 """
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm.bench import common
-from ddp_slurm.bench.checkpoint import KEEP
+from ddp_slurm.bench.checkpoint import KEEP, raw_write_s
 from ddp_slurm.bench.ckpt_worker import Trainer, exchange
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.ckpt_async import AsyncCheckpointer
@@ -104,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     step_s = statistics.median(baseline)
 
     sync: list[float] = []
+    raw: dict[bool, list[float]] = {False: [], True: []}
+    raw_dir, nbytes = args.run_dir / "raw", int(args.state_mb * 2**20)
     file_bytes = 0
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
+        if rank == 0:
+            raw_dir.mkdir(parents=True, exist_ok=True)
+            for behind in (False, True):
+                raw[behind].append(raw_write_s(raw_dir, nbytes, 2 * i + behind, behind))
         barrier()
         t = time.perf_counter()
         if rank == 0:
@@ -131,24 +138,31 @@ def main(argv: list[str] | None = None) -> int:
             n += 1
         n += 1
         end = time.perf_counter()
-        stall.append(end - t0 - n * step_s)
-        snapshot.append(t1 - t0)
-        steps_in_write.append((n, end - t1))
         for _ in range(SETTLE):
             step()
+        reference = time.perf_counter()  # as many steps again, undisturbed: what those steps cost without a write
+        for _ in range(n):
+            step()
+        undisturbed = time.perf_counter() - reference
+        stall.append(end - t0 - undisturbed)
+        snapshot.append(t1 - t0)
+        steps_in_write.append((n, end - t1, undisturbed))
     extra = peak.stop()
     ckpt.close()
-    n_all, s_all = sum(n for n, _ in steps_in_write), sum(s for _, s in steps_in_write)
+    n_all = sum(n for n, _, _ in steps_in_write)
+    slowdown = sum(s for _, s, _ in steps_in_write) / sum(u for _, _, u in steps_in_write)
     result: dict[str, Any] = {
         "rank": rank,
         "world": world,
         "step_s": step_s,
         "file_bytes": file_bytes,
         "sync_stall_s": common.summary(sync),
+        "raw_write_s": common.summary(raw[False] or [0.0]),
+        "raw_write_behind_s": common.summary(raw[True] or [0.0]),
         "async_stall_s": common.summary(stall),
         "snapshot_s": common.summary(snapshot),
         "steps_during_write": n_all,
-        "step_slowdown_during_write": (s_all / n_all) / step_s,
+        "step_slowdown_during_write": slowdown,
         "async_peak_extra_rss_bytes": extra,
         "writer": ckpt.writer,
     }

@@ -21,9 +21,9 @@ torch's own CRC-32 of each zip record is switched off when saving: the seal alre
 the CRC would, torch.load does not check it, and computing it cost a third of the save (0.2 s per
 512 MiB, as much as the write itself).
 
-What the digest does not do: it has no key, so anyone who can write the folder can write a file
+What the seal does not do: it has no key, so anyone who can write the folder can write a file
 that passes. Checkpoints written by other users are kept out by ownership and modes
-(``safefs.check_trusted``), not by the digest.
+(``safefs.check_trusted``), not by the seal.
 """
 
 from __future__ import annotations
@@ -121,7 +121,12 @@ def file_name(step: int | str) -> str:
 
 
 def save(
-    run_dir: Path, state: dict[str, Any], keep: int, shared: bool = False, cancel: threading.Event | None = None
+    run_dir: Path,
+    state: dict[str, Any],
+    keep: int,
+    shared: bool = False,
+    cancel: threading.Event | None = None,
+    hash_threads: int | None = None,
 ) -> Path:
     """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
 
@@ -129,7 +134,9 @@ def save(
     (``safefs.write_atomic``); ``shared``: ``run.shared`` (file and directory modes).
     Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
     the disk fills up; a half-written temporary file is removed. ``cancel`` (another thread sets it):
-    the save stops at its next write and raises Cancelled, leaving nothing behind.
+    the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind. ``hash_threads``: threads
+    hashing while the file is written (``ckpt_seal.Sink``; None: ``ckpt_seal.hash_threads()``, for the
+    saves a caller waits for; 0: the writing thread hashes too, for background saves).
     """
     folder = checkpoint_dir(run_dir)
     final = folder / file_name(state["step"])
@@ -137,7 +144,8 @@ def save(
     sinks: list[ckpt_seal.Sink] = []
 
     def write(f: Any) -> None:
-        with ckpt_seal.Sink(f, cancel) as sink:
+        threads = ckpt_seal.hash_threads() if hash_threads is None else hash_threads
+        with ckpt_seal.Sink(f, cancel, threads) as sink:
             sinks.append(sink)
             with torch_serialization.patch({"save.compute_crc32": False}):
                 torch.save(state, sink)
