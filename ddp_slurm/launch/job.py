@@ -20,8 +20,10 @@ Exit status of training inside the callable:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,22 @@ _SUBMITTER_LAYOUT = (
     "MASTER_ADDR",
     "TORCHELASTIC_RESTART_COUNT",
 )
+
+
+def _leave_before_finalizing(outcome: dict[str, int]) -> None:
+    """atexit, in a submitit worker process: exit with the job's code before the interpreter finalizes.
+
+    By then submitit has written the result file (or, for exit 75, nothing). Finalization is what
+    ``entry.exit_now`` skips for ``python -m ddp_slurm.train``: a thread still inside torch's C++ (a
+    gloo worker, a store call) that wants the interpreter lock back during it aborts the process
+    ("terminate called without an active exception", exit 134), turning a finished job into a
+    FAILED one. atexit handlers run before that point. An exception that reached the top after
+    training succeeded (submitit could not write the result) still exits 1.
+    """
+    from ddp_slurm.train.entry import exit_now  # imported by training already
+
+    failed_after = getattr(sys, "last_value", None) is not None  # set when Python printed an uncaught exception
+    exit_now(1 if failed_after and outcome["code"] == 0 else outcome["code"])
 
 
 class TrainingFailed(RuntimeError):
@@ -99,8 +117,16 @@ class TrainJob:
 
         job_env = submitit.JobEnvironment()
         in_process = job_env.cluster == "debug"  # the debug executor runs us inside the submitting process
+        outcome = {"code": 1}
+        if not in_process:  # this process only runs this job: leave it without finalizing (_leave_before_finalizing)
+            atexit.register(_leave_before_finalizing, outcome)
         try:
-            return self._run(job_env, stop)
+            result = self._run(job_env, stop)
+            outcome["code"] = 0
+            return result
+        except SystemExit as exc:
+            outcome["code"] = exc.code if isinstance(exc.code, int) else 1
+            raise
         finally:
             if in_process:
                 stop.restore()
