@@ -79,7 +79,7 @@ def test_every_step_reads_exactly_the_flags_posted_one_step_before(seed: int) ->
 
 
 TWO_RANKS = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import torch
     import torch.distributed as dist
     from ddp_slurm.tasks.mnist import data
@@ -118,6 +118,10 @@ TWO_RANKS = textwrap.dedent("""
                    "buffers": [b.tolist() for b in model.buffers() if b.is_floating_point()],
                    "changed": any(not torch.equal(a, b) for a, b in zip(before, model.buffers()))}, f)
     dist.destroy_process_group()
+    # Leave as ddp_slurm.train does (entry.exit_now): a DDP reducer keeps gloo's threads alive past the
+    # destroy, and finalizing the interpreter beside them aborts a finished rank now and then (exit -6).
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
