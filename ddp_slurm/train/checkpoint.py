@@ -134,9 +134,10 @@ def save(
     (``safefs.write_atomic``); ``shared``: ``run.shared`` (file and directory modes).
     Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
     the disk fills up; a half-written temporary file is removed. ``cancel`` (another thread sets it):
-    the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind. ``hash_threads``: threads
-    hashing while the file is written (``ckpt_seal.Sink``; None: ``ckpt_seal.hash_threads()``, for the
-    saves a caller waits for; 0: the writing thread hashes too, for background saves).
+    the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind.
+    ``hash_threads``: threads hashing while the file is written (``ckpt_seal.Sink``; None:
+    ``ckpt_seal.hash_threads()``, for the saves a caller waits for; 0: the writing thread hashes too,
+    for background saves).
     """
     folder = checkpoint_dir(run_dir)
     final = folder / file_name(state["step"])
