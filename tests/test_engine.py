@@ -79,9 +79,10 @@ def test_every_step_reads_exactly_the_flags_posted_one_step_before(seed: int) ->
 
 
 TWO_RANKS = textwrap.dedent("""
-    import json, os, sys
+    import json, sys
     import torch
     import torch.distributed as dist
+    import ddp_slurm
     from ddp_slurm.tasks.mnist import data
     import helpers
     from ddp_slurm.train import step as engine
@@ -118,10 +119,9 @@ TWO_RANKS = textwrap.dedent("""
                    "buffers": [b.tolist() for b in model.buffers() if b.is_floating_point()],
                    "changed": any(not torch.equal(a, b) for a, b in zip(before, model.buffers()))}, f)
     dist.destroy_process_group()
-    # Leave as ddp_slurm.train does (entry.exit_now): a DDP reducer keeps gloo's threads alive past the
-    # destroy, and finalizing the interpreter beside them aborts a finished rank now and then (exit -6).
-    sys.stdout.flush()
-    os._exit(0)
+    # Leave as ddp_slurm.train does: a DDP reducer keeps gloo's threads alive past the destroy, and
+    # finalizing the interpreter beside them aborts a finished rank now and then (exit -6).
+    ddp_slurm.exit_now(0)
 """)
 
 

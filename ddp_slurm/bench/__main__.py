@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
-from ddp_slurm.exitcodes import EXIT_USAGE
+from ddp_slurm.exitcodes import EXIT_USAGE, exit_now
 
 # Benchmark modules import torch: only the chosen one is imported, so `--help` answers at once.
 COMMANDS = {
@@ -74,4 +74,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Leaves without finalizing: forecast and checkpoint run torch.distributed here (see exit_now).
+    exit_now(main())

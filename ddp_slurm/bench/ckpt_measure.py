@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from ddp_slurm.bench import common
 from ddp_slurm.bench.checkpoint import KEEP, raw_write_s
 from ddp_slurm.bench.ckpt_worker import Trainer, exchange
+from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.ckpt_async import AsyncCheckpointer
 
@@ -174,6 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as ddp_slurm.train: finalizing the interpreter can abort a finished gloo rank
+    exit_now(code)  # a finished gloo rank must not finalize (see exitcodes.exit_now)

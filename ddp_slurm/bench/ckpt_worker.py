@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED
+from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, exit_now
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.ckpt_async import AsyncCheckpointer
 from ddp_slurm.train.signals import StopFlag
@@ -224,6 +224,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)  # a finished gloo rank must not finalize (see exitcodes.exit_now)

@@ -35,6 +35,7 @@ import torch
 
 from ddp_slurm import bootstrap
 from ddp_slurm.bench import common
+from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import step as engine
 from ddp_slurm.train.signals import StopFlag
@@ -242,6 +243,4 @@ if __name__ == "__main__":
     if "--worker" not in sys.argv[1:]:
         sys.exit("this module is the worker of `python -m ddp_slurm.bench ddp`; run that instead")
     code = worker(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as ddp_slurm.train: finalizing the interpreter can abort a finished gloo rank (exit 134)
+    exit_now(code)  # a finished gloo rank must not finalize (see exitcodes.exit_now)

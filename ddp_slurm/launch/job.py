@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_slurm import safefs
-from ddp_slurm.exitcodes import EXIT_STOPPED
+from ddp_slurm.exitcodes import EXIT_STOPPED, exit_now
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
 _MEANING = {1: "failure", 2: "usage or config error", 3: "requeue cap reached (slurm.max_requeues)"}
@@ -49,14 +49,12 @@ def _leave_before_finalizing(outcome: dict[str, int]) -> None:
     """atexit, in a submitit worker process: exit with the job's code before the interpreter finalizes.
 
     By then submitit has written the result file (or, for exit 75, nothing). Finalization is what
-    ``entry.exit_now`` skips for ``python -m ddp_slurm.train``: a thread still inside torch's C++ (a
+    ``exitcodes.exit_now`` skips for ``python -m ddp_slurm.train``: a thread still inside torch's C++ (a
     gloo worker, a store call) that wants the interpreter lock back during it aborts the process
     ("terminate called without an active exception", exit 134), turning a finished job into a
     FAILED one. atexit handlers run before that point. An exception that reached the top after
     training succeeded (submitit could not write the result) still exits 1.
     """
-    from ddp_slurm.train.entry import exit_now  # imported by training already
-
     failed_after = getattr(sys, "last_value", None) is not None  # set when Python printed an uncaught exception
     exit_now(1 if failed_after and outcome["code"] == 0 else outcome["code"])
 

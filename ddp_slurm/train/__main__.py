@@ -9,4 +9,4 @@ stop = StopFlag.early()
 
 from ddp_slurm.train.cli import main  # noqa: E402
 
-sys.exit(main(stop=stop))  # leaves through entry.exit_now once training has run
+sys.exit(main(stop=stop))  # leaves through exitcodes.exit_now once training has run

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ddp_slurm import __version__
-from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
+from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE, exit_now
 from ddp_slurm.train.signals import StopFlag
 
 PROG = "python -m ddp_slurm.train"
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
     code = entry.main(argv, stop=stop)
     if stop is not None:
         stop.close()  # main leaves a flag it was given to its caller (see signals.py on close())
-    entry.exit_now(code)  # leaves the process (see exit_now)
+    exit_now(code)  # leaves the process (see exitcodes.exit_now)
     return EXIT_OK  # not reached
 
 

@@ -13,7 +13,6 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from ddp_slurm import config
 from ddp_slurm.config import Config, ConfigError
@@ -136,18 +135,3 @@ def _train(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
         else:
             log.exception("training failed")
         return EXIT_FAILURE
-
-
-def exit_now(code: int) -> Any:
-    """Leave the process without interpreter finalization, once everything is flushed.
-
-    With torch's gloo backend, finalization can meet a gloo worker thread that still needs the GIL;
-    Python then ends that thread, which aborts the whole process ("terminate called without an
-    active exception", exit 134) in a few percent of runs that had finished cleanly, turning a
-    completed Slurm job into a failed one. Nothing is lost by skipping it: the metrics file, the
-    checkpoints and the run lock are closed by the time ``main`` returns.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
