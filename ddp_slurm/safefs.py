@@ -13,7 +13,7 @@ makes them ``0770``/``0660``. The umask can only make them stricter.
 
 Reading for resume: ``check_trusted`` refuses a run directory, config or checkpoint owned by another
 user, or writable by others, or (unless ``run.shared``) writable by the group: whoever can write a
-checkpoint decides what the next launch loads. The checkpoints' SHA-256 seal has no key and only
+checkpoint decides what the next launch loads. The checkpoints' seal has no key and only
 catches accidental corruption (a flipped bit, a truncated copy); against a writer with access, the
 only defence is this ownership and mode check.
 """

@@ -83,7 +83,7 @@ def test_roundtrip_keeps_every_tensor_and_field(tmp_path: Path) -> None:
     loaded = checkpoint.load(path)
     assert_same_tensors(state, {k: v for k, v in loaded.items() if k in state})
     assert (loaded["step"], loaded["epoch"], loaded["step_in_epoch"], loaded["finished"]) == (30, 0, 30, False)
-    assert loaded["format"] == checkpoint.FORMAT == 3 and "content_sha256" not in loaded
+    assert loaded["format"] == checkpoint.FORMAT == 4 and "content_sha256" not in loaded
     assert loaded["config"] == state["config"]
     # What was restored drives a model and an optimizer exactly like the originals.
     model = models.build("mlp")

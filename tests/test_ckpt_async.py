@@ -259,15 +259,15 @@ def test_stop_signal_mid_write_waits_exits_75_and_resume_is_bit_identical(
     saved (superseding the step-20 write) and durable before exit 75, the newest checkpoint is that
     stop step and valid, the relaunch resumes it, and the end state equals an uninterrupted run's."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run_to_end(whole, *ARGS, nproc=nproc)
+    args = [*ARGS, "--state-mb", "128"]  # a write of a few tenths of a second: the signal lands inside it
+    run_to_end(whole, *args, nproc=nproc)
 
-    w = Worker(parts, *ARGS, "--step-sleep", "0.02", "--writer", writer, nproc=nproc)
+    w = Worker(parts, *args, "--step-sleep", "0.02", "--writer", writer, nproc=nproc)
     for _ in range(nproc):
         w.until(lambda e: e["event"] == "ready")
     begin = w.until(lambda e: e["event"] == "begin" and e["step"] == 20)
     w.until(lambda e: e["event"] == "handed" and e["step"] == 20)  # training goes on, the write is in flight
-    time.sleep(0.05)  # a step or two later (--step-sleep), so that the stop step is a newer one
-    sent = time.monotonic()
+    sent = time.monotonic()  # the ranks see it after their next step (--step-sleep): a newer step than 20
     w.signal_ranks(signal.SIGUSR2)
     code, err = w.finish()
     if nproc == 1:
@@ -276,7 +276,9 @@ def test_stop_signal_mid_write_waits_exits_75_and_resume_is_bit_identical(
         assert err.count(f"exitcode  : {EXIT_STOPPED}") == nproc, err
     durable = {e["step"]: e["t"] for e in w.events if e["event"] == "durable"}
     # mid-write: after it began and before it was durable (or never, when the stop cancelled it)
-    assert begin["t"] < sent < durable.get(20, float("inf")), "the signal did not land while step 20 was written"
+    assert begin["t"] < sent < durable.get(20, float("inf")), (
+        f"the signal came {sent - durable[20]:.3f} s after step 20 was durable"
+    )
     [stopped] = {e["step"] for e in w.events if e["event"] == "stopped"}
     # The stop step itself was made durable before exit: a newer step than 20, whose write superseded
     # step 20's (or, if this process was slow to go on after the save, step 20 itself, the loop's rule
@@ -286,7 +288,7 @@ def test_stop_signal_mid_write_waits_exits_75_and_resume_is_bit_identical(
     assert newest is not None and newest[1]["step"] == stopped and not newest[1]["finished"]
     assert not list((parts / "checkpoints").glob(".*tmp*"))
 
-    events = run_to_end(parts, *ARGS, nproc=nproc)
+    events = run_to_end(parts, *args, nproc=nproc)
     assert [e["step"] for e in events if e["event"] == "resumed"][0] == stopped
     assert_same_state(whole, parts)
 

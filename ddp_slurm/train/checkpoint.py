@@ -5,10 +5,11 @@ Writing: rank 0 serialises to a temporary file in the same directory, flushes an
 sees either the previous set of checkpoints or the new one, never half a file. Only then are old
 ones pruned to ``keep``.
 
-Sealing (format 3, ``ckpt_seal``): the SHA-256 of every byte of the file, computed while the bytes are
-written and appended as a trailer. A zip container does not notice a flipped bit inside tensor data
-(nor in the pickled step or epoch); the seal does. Formats 1 and 2 kept a digest of the tensors and
-plain values inside the pickle (``content_digest``), which had to be computed before the write began.
+Sealing (format 4, ``ckpt_seal``): a hash of every byte of the file (XXH3-128 of 16 MiB slices),
+computed while the bytes are written and appended as a trailer. A zip container does not notice a
+flipped bit inside tensor data (nor in the pickled step or epoch); the seal does. Format 3 sealed
+with SHA-256 the same way; formats 1 and 2 kept a digest of the tensors and plain values inside the
+pickle (``content_digest``), which had to be computed before the write began. All four load.
 
 Reading: the seal first, then ``torch.load(weights_only=True)`` (a tampered file cannot run code) of the
 same open file, then a structural check.
@@ -45,8 +46,9 @@ from ddp_slurm.train.ckpt_seal import Cancelled
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # 3: sealed (ckpt_seal); 2: the digest inside the pickle; 1: also an older layout (state.upgrade)
-READABLE_FORMATS = (1, 2, 3)
+FORMAT = 4  # 4, 3: sealed (ckpt_seal: XXH3, SHA-256); 2: the digest inside the pickle; 1: also an older layout
+READABLE_FORMATS = (1, 2, 3, 4)
+SEALED_BY = {3: ckpt_seal.SHA256, 4: ckpt_seal.XXH3}  # the formats sealed by a trailer, and the seal each needs
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 REQUIRED = {
     "format": int,
@@ -126,7 +128,6 @@ def save(
     keep: int,
     shared: bool = False,
     cancel: threading.Event | None = None,
-    hash_threads: int | None = None,
 ) -> Path:
     """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
 
@@ -135,9 +136,6 @@ def save(
     Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
     the disk fills up; a half-written temporary file is removed. ``cancel`` (another thread sets it):
     the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind.
-    ``hash_threads``: threads hashing while the file is written (``ckpt_seal.Sink``; None:
-    ``ckpt_seal.hash_threads()``, for the saves a caller waits for; 0: the writing thread hashes too,
-    for background saves).
     """
     folder = checkpoint_dir(run_dir)
     final = folder / file_name(state["step"])
@@ -145,14 +143,13 @@ def save(
     sinks: list[ckpt_seal.Sink] = []
 
     def write(f: Any) -> None:
-        threads = ckpt_seal.hash_threads() if hash_threads is None else hash_threads
-        with ckpt_seal.Sink(f, cancel, threads) as sink:
-            sinks.append(sink)
-            with torch_serialization.patch({"save.compute_crc32": False}):
-                torch.save(state, sink)
-            if cancel is not None and cancel.is_set():  # before the fsync: the dirty pages go unwritten
-                raise Cancelled
-            sink.seal()
+        sink = ckpt_seal.Sink(f, cancel)
+        sinks.append(sink)
+        with torch_serialization.patch({"save.compute_crc32": False}):
+            torch.save(state, sink)
+        if cancel is not None and cancel.is_set():  # before the fsync: the dirty pages go unwritten
+            raise Cancelled
+        sink.seal()
 
     try:
         safefs.make_dir(folder, shared)
@@ -218,9 +215,10 @@ def remove_stale_temporaries(run_dir: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def validate(state: Any, sealed: bool = False) -> None:
-    """Raise ValueError if ``state`` is not a complete, untampered checkpoint. ``sealed``: its file's seal
-    was checked (``ckpt_seal.check``); format 3 needs it, formats 1 and 2 carry their own digest."""
+def validate(state: Any, sealed: ckpt_seal.Scheme | None = None) -> None:
+    """Raise ValueError if ``state`` is not a complete, untampered checkpoint. ``sealed``: the seal its
+    file carries and passed (``ckpt_seal.check``); formats 3 and 4 need theirs (``SEALED_BY``), formats 1
+    and 2 carry their own digest."""
     if not isinstance(state, dict):
         raise ValueError(f"not a checkpoint (a {type(state).__name__})")
     for key, tp in REQUIRED.items():
@@ -228,8 +226,8 @@ def validate(state: Any, sealed: bool = False) -> None:
             raise ValueError(f"missing or wrong-typed {key!r}")
     if state["format"] not in READABLE_FORMATS:
         raise ValueError(f"format {state['format']} (this version reads formats {READABLE_FORMATS})")
-    if state["format"] >= 3:
-        if not sealed:
+    if state["format"] in SEALED_BY:
+        if sealed is not SEALED_BY[state["format"]]:
             raise ValueError("no digest at the end of the file (cut short, or rewritten by another program)")
     elif not isinstance(state.get("content_sha256"), str) or content_digest(state) != state["content_sha256"]:
         raise ValueError("content digest mismatch (corrupted data)")

@@ -240,23 +240,19 @@ class AsyncCheckpointer:
         step = int(state["step"])
         if not self.enabled or not self._fits(state):
             return self._durable(checkpoint.save(self.run_dir, state, self.keep, self.shared), time.monotonic())
-        # A background write hashes and writes in one thread, taking one core from training at a time
-        # (hashing beside the write made the steps beside it 1.3-1.5x slower, not 1.0-1.1x); an urgent
-        # one is waited for: every core.
-        threads = None if urgent else 0
         if self.writer == "process":
             frozen = state
             if on_gpu(state):  # the child can read host memory only: copy, and wait for the copy
                 frozen, events = self._snap.copy(state)
                 for event in events:
                     event.synchronize()
-            target = lambda: checkpoint.save(self.run_dir, frozen, self.keep, self.shared, hash_threads=threads)  # noqa: E731
+            target = lambda: checkpoint.save(self.run_dir, frozen, self.keep, self.shared)  # noqa: E731
             self._write = _ProcessWrite(step, target, 0 if urgent else WRITER_NICE)
         else:
             snap, events = self._snap.copy(state)
             self._write = _ThreadWrite(
                 step,
-                lambda cancel: checkpoint.save(self.run_dir, snap, self.keep, self.shared, cancel, threads),
+                lambda cancel: checkpoint.save(self.run_dir, snap, self.keep, self.shared, cancel),
                 events,
             )
         return None
