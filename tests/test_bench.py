@@ -1,6 +1,7 @@
 """``python -m ddp_slurm.bench``: every subcommand runs end to end with tiny sizes and reports sane figures.
 
-No timing assertions: the machines that run the suite are shared and noisy. What is checked is the
+No timing assertions (the machines that run the suite are shared and noisy), except the one lower
+bound the kernel's disk throttle guarantees (benchmarks/throttled_disk.sh): noise can only lengthen it. What is checked is the
 structure of the table and of the JSON (the stable keys the README quotes), that the figures are
 positive and finite, and the pieces the figures rest on: the seed pipeline reads the same images as
 ddp_slurm, the FLOP counts, and that training never imports what it does not need.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import helpers
 import pytest
 import torch
-from conftest import base_env
+from conftest import REPO, base_env, skip_or_fail
 
 from ddp_slurm import config
 from ddp_slurm.bench import limit, loader
@@ -286,6 +288,7 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
         assert r["file_bytes"] > 4 * 2**20 * 0.99 and positive(r["step_s"]) and positive(r["snapshot_s"]["median"])
         assert positive(r["sync_stall_s"]["median"]) and r["steps_during_write"] >= 1
         assert r["async_peak_extra_rss_bytes"] >= 0
+        assert positive(r["first_snapshot_s"]) and len(r["async_stall_s"]["values"]) == 1  # the first one apart
     assert p["stall_ratio"] == pytest.approx(p["async_stall_s"] / p["sync_stall_s"])
     assert positive(p["raw_write_mib_s"]) and positive(p["sync_save_mib_s"]) and positive(p["save_vs_raw"])
     assert positive(p["raw_write_behind_s"]["median"]) and positive(p["save_vs_raw_write_behind"])
@@ -295,6 +298,43 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
         assert s["stop_step"] >= 40
     assert not list(tmp_path.glob(".bench-checkpoint-*"))  # its scratch folder is gone
     assert "world size 1" in text and "world size 2" in text and "stall_ratio" in text
+    assert "the first asynchronous save also allocates the host buffers" in text
+
+
+THROTTLED_WRITE = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+t = time.perf_counter()
+os.write(fd, os.urandom(32 << 20))
+os.fsync(fd)
+print(time.perf_counter() - t)
+group = next(line.split(":", 2)[2] for line in open("/proc/self/cgroup") if ":blkio:" in line or line.startswith("0::"))
+root = "/sys/fs/cgroup/blkio" if ":blkio:" in open("/proc/self/cgroup").read() else "/sys/fs/cgroup"
+name = "blkio.throttle.write_bps_device" if root.endswith("blkio") else "io.max"
+print(open(root + group.strip() + "/" + name).read().strip())
+"""
+
+
+def test_throttled_disk_limits_the_writes_of_the_command(tmp_path: Path) -> None:
+    """benchmarks/throttled_disk.sh: the command runs in a cgroup whose write limit is the rate asked
+    for, 32 MiB written with fsync take at least the time that rate allows, and its exit code is kept."""
+    if os.geteuid() != 0:
+        skip_or_fail("benchmarks/throttled_disk.sh needs root (it creates a cgroup)")
+    script = REPO / "benchmarks" / "throttled_disk.sh"
+    run = [str(script), "40", str(tmp_path), "--"]
+    done = subprocess.run(
+        [*run, sys.executable, "-c", THROTTLED_WRITE, str(tmp_path / "w.bin")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seconds, limit = done.stdout.splitlines()
+    assert str(40 << 20) in limit  # "MAJ:MIN 41943040" (v1) or "MAJ:MIN rbps=max wbps=41943040 ..." (v2)
+    assert float(seconds) >= 0.6, f"32 MiB at 40 MiB/s took {seconds} s"  # 0.8 s; the throttle's burst allowance
+    assert subprocess.run([*run, "sh", "-c", "exit 7"], capture_output=True, timeout=60).returncode == 7
+    bad = subprocess.run([str(script), "fast", str(tmp_path), "--", "true"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "MIB_PER_S must be a positive integer" in bad.stderr
 
 
 def test_forecast_model_pieces() -> None:
