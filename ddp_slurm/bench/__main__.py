@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             default=None,
             help="torch intra-op threads (default: what ddp_slurm.train would use); for startup and tta "
             "those of the training processes (OMP_NUM_THREADS), for ddp per rank (default: half "
-            "the CPUs)",
+            "the CPUs), for checkpoint per rank (default: 1, which leaves the writer a core at "
+            "world size 1, as on a GPU node)",
         )
         module.add_arguments(p)
     return parser.parse_args(argv)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.threads is not None and args.threads < 1:
             raise common.BenchError(f"--threads {args.threads}: expected an integer >= 1")
-        threads = args.threads if args.command == "ddp" else common.set_threads(args.threads)
+        threads = args.threads if args.command in ("ddp", "checkpoint") else common.set_threads(args.threads)
         payload = module.measure(args, threads)
     except common.BenchError as exc:
         print(f"ddp_slurm.bench {args.command}: error: {exc}", file=sys.stderr)

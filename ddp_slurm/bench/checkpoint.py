@@ -88,28 +88,31 @@ def raw_write_s(folder: Path, nbytes: int, index: int, write_behind: bool = Fals
 # ---------------------------------------------------------------- the workers
 
 
-def launch_measure(args: argparse.Namespace, world: int, folder: Path, writer: str | None = None) -> dict[str, Any]:
+def launch_measure(
+    args: argparse.Namespace, world: int, threads: int, folder: Path, writer: str | None = None
+) -> dict[str, Any]:
     """Run the measuring worker at ``world`` ranks (``writer``: ckpt_async's default when None); rank 0's figures."""
     tag = f"w{world}-{writer or 'default'}"
 
     def command(out: Path) -> list[str]:
         cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_measure", "--out", str(out)]
         cmd += ["--run-dir", str(folder / tag), "--state-mb", str(args.state_mb), "--rounds", str(args.rounds)]
+        cmd += ["--threads", str(threads)]
         return cmd + ["--width", str(args.width), "--batch", str(args.batch)] + (["--writer", writer] if writer else [])
 
-    outs = common.run_local_ranks("checkpoint", world, 1, folder, tag, args.timeout, command)
+    outs = common.run_local_ranks("checkpoint", world, threads, folder, tag, args.timeout, command)
     shutil.rmtree(folder / tag, ignore_errors=True)
     return json.loads(outs[0].read_text())
 
 
-def signal_to_durable(args: argparse.Namespace, folder: Path, mode: str) -> dict[str, Any]:
+def signal_to_durable(args: argparse.Namespace, threads: int, folder: Path, mode: str) -> dict[str, Any]:
     """SIGUSR2 as the step-40 save begins (sync) or right after it handed its write over (async); seconds
     until the stop step's checkpoint is durable, and until the process has exited."""
     run_dir = folder / f"signal-{mode}"
     cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_worker", "--run-dir", str(run_dir), "--mode", mode]
     cmd += ["--state-mb", str(args.state_mb), "--steps", "100000", "--every", "20"]
     cmd += ["--width", str(args.width), "--batch", str(args.batch)]
-    proc = subprocess.Popen(cmd, env=common.child_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=common.child_env(OMP_NUM_THREADS=str(threads)), stdout=subprocess.PIPE, text=True)
     events: list[dict[str, Any]] = []
     timer = threading.Timer(args.timeout, proc.kill)
     timer.start()
@@ -140,7 +143,8 @@ def signal_to_durable(args: argparse.Namespace, folder: Path, mode: str) -> dict
 # ---------------------------------------------------------------- the command
 
 
-def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
+    threads = threads or 1  # per rank: --threads, else one
     if args.state_mb <= 0 or args.rounds < 1:
         raise common.BenchError("--state-mb must be > 0 and --rounds >= 1")
     try:
@@ -153,12 +157,12 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     base.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=base))
     try:
-        by_world = {str(w): launch_measure(args, w, folder) for w in worlds}
+        by_world = {str(w): launch_measure(args, w, threads, folder) for w in worlds}
         other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
         # the other writer at the first world size, for the choice between them (ckpt_async's docstring)
         writers = {by_world[str(worlds[0])]["writer"]: by_world[str(worlds[0])]}
-        writers[other] = launch_measure(args, worlds[0], folder, other)
-        signals = {mode: signal_to_durable(args, folder, mode) for mode in ("sync", "async")}
+        writers[other] = launch_measure(args, worlds[0], threads, folder, other)
+        signals = {mode: signal_to_durable(args, threads, folder, mode) for mode in ("sync", "async")}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     first = by_world[str(worlds[0])]

@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--writer", choices=("process", "thread"), default=None, help="default: ckpt_async's")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this rank")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if world > 1:
         dist.init_process_group("gloo")
     tr = Trainer(args.width, args.batch, args.state_mb, 0, world)

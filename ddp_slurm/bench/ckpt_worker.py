@@ -207,7 +207,7 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # one unless the launcher says otherwise
     stop = StopFlag().install()
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
