@@ -17,8 +17,8 @@ Two writers, measured side by side by ``python -m ddp_slurm.bench checkpoint`` (
   fault and a 4 KiB copy, and an optimizer changes all of its state every step.
 The thread is the default because it forks nothing (a process holding CUDA, NCCL and gloo state is
 not one to fork, and the GPU path of the process writer is not measured) and its cost is visible
-where it is paid. On the 2-core test machine the thread's stall was the smaller one at 64, 512 and
-2048 MiB (async/sync stall 0.71 vs 2.06, 0.24-0.91 vs 3.10-3.54, 0.26 vs 3.06): docs/checkpoints.md.
+where it is paid. On the 2-core test machine the thread's stall was the smaller one at every size
+measured (docs/checkpoints.md).
 ``save(state, urgent=True)`` is for the saves the process waits for next (a stop signal, the end of
 training): the in-flight write of an older step is cancelled (a process is killed, a thread stops at
 its next 16 MiB slice; the temporary file is removed: the checkpoint before it stays the newest
