@@ -97,7 +97,6 @@ def launch_measure(
     def command(out: Path) -> list[str]:
         cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_measure", "--out", str(out)]
         cmd += ["--run-dir", str(folder / tag), "--state-mb", str(args.state_mb), "--rounds", str(args.rounds)]
-        cmd += ["--threads", str(threads)]
         return cmd + ["--width", str(args.width), "--batch", str(args.batch)] + (["--writer", writer] if writer else [])
 
     outs = common.run_local_ranks("checkpoint", world, threads, folder, tag, args.timeout, command)

@@ -20,12 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ddp_slurm.bench import common
 from ddp_slurm.bench.checkpoint import KEEP, raw_write_s
-from ddp_slurm.bench.ckpt_worker import Trainer, exchange
+from ddp_slurm.bench.ckpt_worker import Trainer, exchange, set_threads
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.ckpt_async import AsyncCheckpointer
@@ -81,10 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--writer", choices=("process", "thread"), default=None, help="default: ckpt_async's")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this rank")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torch.set_num_threads(args.threads)
+    set_threads()
     if world > 1:
         dist.init_process_group("gloo")
     tr = Trainer(args.width, args.batch, args.state_mb, 0, world)

@@ -205,9 +205,14 @@ def run(args: argparse.Namespace, stop: StopFlag) -> int:
             ckpt.close()
 
 
+def set_threads() -> None:
+    """Intra-op threads: OMP_NUM_THREADS where the launcher set it (``bench checkpoint --threads``), else one."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # one unless the launcher says otherwise
+    set_threads()
     stop = StopFlag().install()
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:

@@ -131,27 +131,18 @@ class Sink:
             raise
 
 
-def scheme_of(f: IO[bytes]) -> Scheme | None:
-    """The scheme whose trailer ends the open file ``f``, or None (formats 1 and 2, any other file)."""
-    fd, size = f.fileno(), os.fstat(f.fileno()).st_size
-    for scheme in SCHEMES:
-        if size >= scheme.trailer_bytes and os.pread(fd, scheme.trailer_bytes, size - scheme.trailer_bytes).startswith(
-            scheme.magic
-        ):
-            return scheme
-    return None
-
-
 def check(f: IO[bytes]) -> Scheme | None:
     """The seal of the open file ``f`` once every byte before it matches: None when it has no trailer
     (formats 1 and 2, or a file some other program wrote); Mismatch when it has one and something does
     not match. Slices are read and hashed by ``hash_threads()``."""
-    scheme = scheme_of(f)
-    if scheme is None:
+    fd, size = f.fileno(), os.fstat(f.fileno()).st_size
+    for scheme in SCHEMES:  # the one whose trailer ends the file
+        body = size - scheme.trailer_bytes
+        tail = os.pread(fd, scheme.trailer_bytes, body) if body >= 0 else b""
+        if tail.startswith(scheme.magic):
+            break
+    else:
         return None
-    fd = f.fileno()
-    body = os.fstat(fd).st_size - scheme.trailer_bytes
-    tail = os.pread(fd, scheme.trailer_bytes, body)
 
     def digest(start: int) -> bytes:
         data = os.pread(fd, min(SLICE, body - start), start)
