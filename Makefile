@@ -3,18 +3,28 @@ PYTHON ?= python3
 VENV   := .venv
 PIP    := $(VENV)/bin/pip
 RUN_NAME ?= local-$(shell date +%Y%m%d-%H%M%S)
+# TORCH=cpu: torch's CPU-only build from download.pytorch.org instead of PyPI's CUDA build (whose
+# nvidia-* wheels alone take 3.2 GB); for a machine without a GPU. Its +cpu version outranks PyPI's.
+TORCH ?=
+TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--extra-index-url https://download.pytorch.org/whl/cpu)
 
 .PHONY: run test lint system-packages clean
 
+# What training needs (torch, torchvision, submitit, ...), no test tools.
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q $(TORCH_INDEX) -e .
 	touch $@
 
-# Two local CPU ranks through torchrun (gloo) on the bundled sample.
+# The test tools on top (pytest, ruff, tensorboard).
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q $(TORCH_INDEX) -e '.[test]'
+	touch $@
+
+# Two local CPU ranks (gloo) on the bundled sample, through the launcher that ends a stop with exit 75.
 run: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m ddp_slurm.train --config jobs/mnist_sample.yaml run.name=$(RUN_NAME)
+	$(VENV)/bin/python -m ddp_slurm.launch --standalone --nproc_per_node 2 -m ddp_slurm.train --config jobs/mnist_sample.yaml run.name=$(RUN_NAME)
 	@echo "run directory: runs/$(RUN_NAME)  (plots: $(VENV)/bin/python -m ddp_slurm.report runs/$(RUN_NAME))"
 
 # As root, the real-cluster tests need Slurm, munge and iproute2 (Debian/Ubuntu packages).
@@ -23,11 +33,11 @@ system-packages:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2; \
 	fi
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: $(VENV)/.installed system-packages lint
+test: $(VENV)/.installed-test system-packages lint
 	$(VENV)/bin/python -m pytest
 
 clean:

@@ -3,13 +3,17 @@
 #
 #     benchmarks/gpu_check.sh [OUTPUT_DIR]      # JSON figures and logs go to OUTPUT_DIR (default: a temp dir)
 #
-# On one GPU: the suite's GPU tests (tests/test_gpu.py: NCCL at world size 1 through the real training
-# path with the stop vote on; no host sync in the steady-state step and the stop vote under
-# torch.cuda.set_sync_debug_mode("error"); interrupt-and-resume bit-identical with
-# train.deterministic=true; bf16, or its refusal below compute capability 8.0; the error path's abort;
-# two ranks on one GPU refused with one line), then the loader benchmark on cuda for the mlp and the
-# cnn, then time-to-97% on cuda. With 2 or more GPUs also: 2-rank DDP training over NCCL, the doctor
-# on 2 ranks, and `bench ddp --device cuda`.
+# On one GPU: the suite's GPU tests (tests/test_gpu.py, tests/test_gpu_path.py: NCCL at world size 1
+# through the real training path with the stop vote on; no host sync in the steady-state step and the
+# stop vote under torch.cuda.set_sync_debug_mode("error"), and none in the real loop's steady steps
+# (DDP_SLURM_SYNC_DEBUG=error), eager and with train.cuda_graphs; interrupt-and-resume bit-identical
+# with train.deterministic=true, eager and with train.cuda_graphs; cuda_graphs on the Dataset path with
+# dropout, and a step that needs the host told what broke; bf16, or its refusal below compute
+# capability 8.0; the error path's abort; two ranks on one GPU refused with one line), then the loader
+# benchmark on cuda for the mlp and the cnn, time-to-97% on cuda, the loop's overhead against a bare
+# PyTorch loop (cnn, batch 128: fails below 0.97) and with train.cuda_graphs (fails below 1.0; target
+# 3), and the checkpoint stall with the state on the GPU (copied through pinned host memory). With 2
+# or more GPUs also: 2-rank DDP training over NCCL, the doctor on 2 ranks, and `bench ddp --device cuda`.
 #
 # It fails (exit 1) when torch sees no CUDA GPU, when any GPU test skips, when any stage fails or
 # outlives its limit, and when the whole takes 5 minutes or more. Each stage has its own time limit,
@@ -50,12 +54,25 @@ expect() {  # expect NAME PATTERN: the stage's log must hold PATTERN (a check th
 }
 
 # -p no:cacheprovider: the checkout may be read-only; -rA lists every outcome, so a skip would show.
-stage gpu-tests 150 "$PY" -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_path.py -q -rA
+stage gpu-tests 180 "$PY" -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_path.py -q -rA
 if grep -qiE "[0-9]+ skipped|^SKIPPED" "$OUT_DIR/gpu-tests.log"; then failed+=("gpu-tests (some skipped on a GPU machine)"); fi
 expect gpu-tests "[0-9]+ passed"
+expect gpu-tests "PASSED .*test_the_real_loop_never_synchronises_between_boundaries\[cuda_graphs\]"
+expect gpu-tests "PASSED .*test_deterministic_interrupt_and_resume_is_bit_identical\[cuda_graphs\]"
 stage loader-mlp 30 "$PY" -m ddp_slurm.bench loader --device cuda --model mlp --json "$OUT_DIR/loader-mlp.json"
 stage loader-cnn 30 "$PY" -m ddp_slurm.bench loader --device cuda --model cnn --json "$OUT_DIR/loader-cnn.json"
 stage tta 60 "$PY" -m ddp_slurm.bench tta --json "$OUT_DIR/tta.json"
+stage overhead 50 "$PY" -m ddp_slurm.bench overhead --device cuda --model cnn --batch 128 --steps 600 \
+    --json "$OUT_DIR/overhead.json"
+stage overhead-graphs 50 "$PY" -m ddp_slurm.bench overhead --device cuda --model cnn --batch 128 --steps 600 \
+    --cuda-graphs --json "$OUT_DIR/overhead-graphs.json"
+stage overhead-targets 10 "$PY" -c 'import json, sys
+eager, graphs = (json.load(open(f))["ratio"] for f in sys.argv[1:])
+print(f"overhead: ddp_slurm / bare {eager:.3f} (target >= 0.97); cuda_graphs / bare {graphs:.2f} (target >= 3)")
+sys.exit(0 if eager >= 0.97 and graphs >= 1.0 else 1)' "$OUT_DIR/overhead.json" "$OUT_DIR/overhead-graphs.json"
+stage checkpoint-cuda 60 "$PY" -m ddp_slurm.bench checkpoint --device cuda --worlds 1 --state-mb 128 --rounds 3 \
+    --dir "$OUT_DIR" --json "$OUT_DIR/checkpoint-cuda.json"
+expect checkpoint-cuda "stall_ratio"
 
 if [ "$GPUS" -ge 2 ]; then
     # Two ranks, one GPU each, over NCCL: the real training path, then the preflight, then DDP's cost.

@@ -20,6 +20,7 @@ _PUBLIC = {
     "run": "ddp_slurm.train.entry",
     "checked": "ddp_slurm.config",
     "ConfigError": "ddp_slurm.config",
+    "Error": "ddp_slurm.errors",
     "exit_now": "ddp_slurm.exitcodes",
 }
 __all__ = ["__version__", *_PUBLIC]

@@ -1,10 +1,10 @@
-"""Compatibility home of the bootstrap names: ``DistEnv``/``expand_hostlist`` live in ``ddp_slurm.dist.env``,
-joining the process group in ``ddp_slurm.dist.group``."""
+"""Compatibility home of the bootstrap names: ``DistEnv``/``expand_hostlist`` live in ``ddp_slurm.distributed.env``,
+joining the process group in ``ddp_slurm.distributed.group``."""
 
-from ddp_slurm.dist.env import *  # noqa: F403
-from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError, derive_port, expand_hostlist  # noqa: F401
-from ddp_slurm.dist.group import *  # noqa: F403
-from ddp_slurm.dist.group import (  # noqa: F401
+from ddp_slurm.distributed.env import *  # noqa: F403
+from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError, derive_port, expand_hostlist  # noqa: F401
+from ddp_slurm.distributed.group import *  # noqa: F403
+from ddp_slurm.distributed.group import (  # noqa: F401
     _rendezvous_error,
     configure_threads,
     distributed,

@@ -2,6 +2,18 @@
 
 Each command is the module's own ``main``, imported only once the command is known, so ``--help``
 and ``--version`` never wait for torch.
+
+One spelling in the docs. Every command answers to three: ``python -m ddp_slurm.<command>`` (a
+module at the package's top), ``ddp-slurm <command>`` (this console command) and the module that
+implements it (``python -m ddp_slurm.launch.submit``, ``ddp_slurm.tools.report``, ...). The docs,
+the sbatch scripts and the contract show the first, because it is the one that works everywhere a
+command runs: it names the interpreter (the job uses the Python the user chose, not whatever
+``ddp-slurm`` comes first on a compute node's PATH), torchrun and ``srun torchrun`` can only start
+a module (``-m ddp_slurm.train``), and a source checkout on ``PYTHONPATH`` needs no install. The
+console command is the same thing, shorter on a login node; it is shown first only for ``init``,
+which exists for an installed wheel, where there is no checkout and the console command is what
+``pip`` installed. The implementing modules keep working (a layout change must not break a job
+script) but are never shown: they are where the code lives, not what users type.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 # command -> (module whose main() runs it, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("ddp_slurm.train.cli", "train (one rank of a run, or a 1-rank run): python -m ddp_slurm.train"),
+    "resume": ("ddp_slurm.resume", "continue a run with its own config: ddp-slurm resume RUN_DIR [KEY=VALUE ...]"),
     "submit": ("ddp_slurm.launch.submit", "submit the training job through submitit (Slurm or this machine)"),
     "doctor": ("ddp_slurm.tools.doctor", "preflight of an allocation: rank map, addresses, one timed all-reduce"),
     "report": ("ddp_slurm.tools.report", "plots and summary of one or more run directories (or a sweep)"),

@@ -9,7 +9,9 @@ never a write into somebody else's file.
 
 Modes: run directories are created ``0750`` and files ``0640`` (the group may read results, nobody
 else may read, only the owner may write); ``run.shared=true`` (a team run several users resume)
-makes them ``0770``/``0660``. The umask can only make them stricter.
+makes them ``0770``/``0660``. The umask can only make a private run's modes stricter; a team run's are
+set explicitly (``fchmod``), since the common login umask ``022`` would strip the group's write bit and
+teammates could not resume.
 
 Reading for resume: ``check_trusted`` refuses a run directory, config or checkpoint owned by another
 user, or writable by others, or (unless ``run.shared``) writable by the group: whoever can write a
@@ -27,6 +29,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+from ddp_slurm.runpaths import RunPaths
 
 DIR_MODE, FILE_MODE = 0o750, 0o640
 SHARED_DIR_MODE, SHARED_FILE_MODE = 0o770, 0o660
@@ -53,6 +57,8 @@ def make_dir(path: Path, shared: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)  # output_root: the umask's mode, like any mkdir -p
     try:
         os.mkdir(path, dir_mode)
+        if shared:
+            os.chmod(path, dir_mode)  # the umask took the group's write bit: a team run needs it
     except FileExistsError:
         pass
     st = os.lstat(path)
@@ -98,7 +104,16 @@ def temp_pattern(name: str, pid: int | None = None) -> str:
 
 def open_new(path: Path, shared: bool = False) -> int:
     """A new file at ``path``, created exclusively, never through a symlink: returns the fd."""
-    return os.open(path, _NEW, modes(shared)[1])
+    fd = os.open(path, _NEW, modes(shared)[1])
+    if shared:
+        _team_mode(fd)
+    return fd
+
+
+def _team_mode(fd: int) -> None:
+    """A team run's file mode whatever the umask, on a file of ours (a teammate's keeps its own)."""
+    if os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, SHARED_FILE_MODE)
 
 
 def write_atomic(final: Path, write: Callable[[IO[bytes]], None], shared: bool = False) -> None:
@@ -158,6 +173,8 @@ def open_owned(path: Path, flags: int, shared: bool = False) -> int:
             raise UnsafePath(
                 f"{path} belongs to uid {st.st_uid}, not to you: remove it (or set run.shared=true for a team run)"
             )
+        if shared:
+            _team_mode(fd)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -202,11 +219,11 @@ def _my_groups() -> set[int]:
 def check_run_dir(run_dir: Path, shared: bool = False) -> None:
     """``check_trusted`` on an existing run directory and everything a resume reads from it (its config,
     the checkpoints folder and every ``step-*.pt`` in it), before the launch writes anything there."""
-    run_dir = Path(run_dir)
-    folder = run_dir / "checkpoints"
-    for path in (run_dir, run_dir / "config.yaml", folder):
+    paths = RunPaths(run_dir)
+    run_dir, folder = paths.root, paths.checkpoints
+    for path in (run_dir, paths.config, folder):
         if path == run_dir or os.path.lexists(path):
             check_trusted(path, shared)
     if folder.is_dir() and not folder.is_symlink():
-        for path in sorted(folder.glob("step-*.pt")):
+        for path in sorted(folder.glob(paths.checkpoint("*").name)):
             check_trusted(path, shared)

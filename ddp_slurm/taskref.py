@@ -47,6 +47,27 @@ def _import_file(path: Path) -> Any:
     return module
 
 
+def _where(module_name: str) -> str:
+    """The task's file as the user knows it: the path given, or the file a module name was found in."""
+    if module_name.endswith(".py"):
+        return module_name
+    found = sys.modules.get(module_name) or _spec_origin(module_name)
+    origin = getattr(found, "__file__", None) or (found if isinstance(found, str) else None)
+    return f"{module_name!r} ({origin})" if origin else repr(module_name)
+
+
+def _spec_origin(module_name: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (Exception, SystemExit):  # its package failed to import too: the name is all there is
+        return None
+    return spec.origin if spec is not None else None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or "(no message)"
+
+
 def task_path(cls: type) -> str:
     """The import path the config records for a task class: ``package.module:Name``."""
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -75,8 +96,15 @@ def resolve(spec: str) -> type:
         raise TaskError(
             f"task={spec!r}: cannot import {module_name!r} ({exc}); install it or put its folder on PYTHONPATH"
         ) from None
+    except SystemExit as exc:  # a script without a __main__ guard: exit 0 here would report a run that never trained
+        raise TaskError(
+            f"task={spec!r}: importing {_where(module_name)} called sys.exit({exc.code!r}); a task file must not "
+            'run anything at import: put its script part under `if __name__ == "__main__":`'
+        ) from None
     except Exception as exc:  # the module itself raised: its own bug, named in one line
-        raise TaskError(f"task={spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
+        raise TaskError(
+            f"task={spec!r}: importing {_where(module_name)} raised {type(exc).__name__}: {_one_line(exc)}"
+        ) from None
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)

@@ -1,8 +1,25 @@
-"""Plain-text tables: one renderer for the doctor, sweep summaries and the benchmarks."""
+"""Plain text for terminals: tables (one renderer for the doctor, sweep summaries and the benchmarks) and
+docstrings shown as ``--help`` text."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+
+# reST in docstrings: ``literal``, :role:`target` and :role:`~pkg.mod.Name` (shown as Name).
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain(doc: str | None) -> str:
+    """A docstring as a terminal shows it in ``--help``: reST literals and roles unwrapped
+    (``python -m x`` -> python -m x, :mod:`ddp_slurm.bench.tta` -> ddp_slurm.bench.tta)."""
+
+    def role(match: re.Match[str]) -> str:
+        target = match[1]
+        return target.rpartition(".")[2] if match[0].startswith(":") and "`~" in match[0] else target
+
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, doc or ""))
 
 
 def columns(lines: Sequence[Sequence[str]], numeric_from: int | None = None, rule: bool = False) -> list[str]:

@@ -101,6 +101,11 @@ for key in ("slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint",
         CASES[f"{key}-{label}"] = dry(f'{key}="gpu{char}echo pwned"', says=(key, "without control characters"))
 for flag in ("--partition", "--account", "--qos", "--constraint", "--name"):
     CASES[f"flag{flag}-newline"] = dry(flag, "x\n#SBATCH --time=99999", says=("without control characters",))
+for label, char in (("newline", "\n"), ("carriage-return", "\r"), ("escape", "\x1b"), ("tab", "\t")):
+    CASES[f"sbatch-option-{label}"] = dry(
+        "--sbatch", f"mail-type=END{char}#SBATCH --time=99999", says=("--sbatch", "holds control characters")
+    )
+CASES["setup-line-newline"] = dry("--setup", "module load x\nrm -rf ~", says=("--setup", "holds control characters"))
 for label, name in (
     ("space", "a b"),
     ("semicolon", "a;touch x"),
@@ -293,7 +298,15 @@ CASES["train-world-writable-shared-run"] = Bad(
     modes=(("runs/r", 0o777),),
     after_start=True,
 )
-for label, path in (("lock", "runs/r/.lock"), ("checkpoints", "runs/r/checkpoints"), ("config", "runs/r/config.yaml")):
+for label, path in (
+    ("lock", "runs/r/.lock"),
+    ("checkpoints", "runs/r/checkpoints"),
+    ("config", "runs/r/config.yaml"),
+    ("metrics", "runs/r/metrics.jsonl"),
+):
     CASES[f"train-symlink-{label}"] = Bad(
         RUN, (path, "symlink"), files=(("runs/r/x", b""), (path, LINK)), after_start=True
     )
+
+# train.cuda_graphs where it cannot hold, found before the ranks start (train/graphs.py: check)
+CASES["cuda-graphs-on-cpu"] = Bad(("train.cuda_graphs=true",), ("train.cuda_graphs=true needs a CUDA GPU",))

@@ -61,7 +61,7 @@ def mnist_evaluate(model, split: Split, rank: int, world_size: int, precision: s
 class Injecting(MNIST):
     """The MNIST task with faults injected at this launch's N-th training step (a test harness, not a product
     hook): ``STOP_AT`` sends the process a real SIGUSR2, ``CRASH_AT`` raises on rank ``CRASH_RANK`` (default
-    0; RANK unset counts as 0). DDP's warm-up backward (model in eval mode) is not counted."""
+    0; RANK unset counts as 0). Only training-mode calls count (DDP's warm-up runs no task code)."""
 
     calls = 0
 
@@ -83,8 +83,8 @@ class Injecting(MNIST):
 INJECTING_HARNESS = """
 import sys
 import helpers
-from ddp_slurm.train import entry
-sys.exit(entry.main(sys.argv[1:], task=helpers.Injecting))
+from ddp_slurm.train import cli
+sys.exit(cli.run(sys.argv[1:], task=helpers.Injecting))
 """
 
 

@@ -24,7 +24,7 @@ from conftest import REPO, base_env, skip_or_fail
 from ddp_slurm import config
 from ddp_slurm.bench import limit, loader
 from ddp_slurm.tasks.mnist import data, models
-from ddp_slurm.train import step as engine
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 HEADER_KEYS = {"command", "machine", "torch", "threads", "device", "params"}
 
@@ -188,6 +188,8 @@ def test_tta_smoke(tmp_path: Path) -> None:
         (["tta", "--target", "2"], "--target 2"),
         (["loader", "--batch", "0"], "--batch 0"),
         (["limit", "--threads", "0"], "--threads 0"),
+        (["overhead", "--device", "cpu", "--steps", "30"], "--steps 30"),
+        (["overhead", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs --device cuda"),
     ],
 )
 def test_bad_arguments_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
@@ -224,7 +226,7 @@ def test_cnn_flops_counted_by_torch_match_the_model() -> None:
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
 def test_eager_optimizers_compute_what_torch_computes(name: str) -> None:
-    """engine.make_optimizer's classes only skip torch.compile guards: bit-identical weights after 5 steps."""
+    """make_optimizer's classes only skip torch.compile guards: bit-identical weights after 5 steps."""
     split = data.load_sample(train=True)
     cfg = config.load(overrides=[f"train.optimizer={name}"]).train
     torch_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
@@ -233,13 +235,13 @@ def test_eager_optimizers_compute_what_torch_computes(name: str) -> None:
         torch.manual_seed(0)
         model = models.build("cnn")
         if ours:
-            opt = engine.make_optimizer(cfg, model.parameters(), torch.device("cpu"))
+            opt = make_optimizer(cfg, model.parameters(), torch.device("cpu"))
             assert isinstance(opt, torch_class) and type(opt).__name__ == torch_class.__name__
             flags = {k: opt.defaults[k] for k in ("fused", "foreach")}
         else:
             extra = {"momentum": 0.9, "nesterov": True} if name == "sgd" else {}
             opt = torch_class(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **extra, **flags)
-        step = helpers.mnist_step(model, opt, engine.make_scheduler(cfg, opt, 10), split)
+        step = helpers.mnist_step(model, opt, make_scheduler(cfg, opt, 10), split)
         for i in range(5):
             step(torch.arange(32 * i, 32 * i + 32))
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -248,8 +250,8 @@ def test_eager_optimizers_compute_what_torch_computes(name: str) -> None:
 
 TRAIN_AND_CHECK_IMPORTS = """
 import sys
-from ddp_slurm.train import entry
-assert entry.main(sys.argv[1:]) == 0
+from ddp_slurm.train import cli
+assert cli.run(sys.argv[1:]) == 0
 heavy = sorted(m for m in ("torch._dynamo", "torchvision", "submitit", "matplotlib") if m in sys.modules)
 print("heavy:", ",".join(heavy))
 """
@@ -301,6 +303,20 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
     assert "the first asynchronous save also allocates the host buffers" in text
 
 
+def test_overhead_smoke(tmp_path: Path) -> None:
+    """``bench overhead --device cpu``: the real loop (its own metrics rows) against the bare loop, in
+    pairs; the JSON's ratio is the median of the pairs' ratios; nothing is left in the working directory."""
+    p, text = bench(
+        tmp_path, "overhead", "--device", "cpu", "--model", "mlp", "--batch", "64", "--steps", "40", "--pairs", "1"
+    )
+    assert p["device"] == "cpu" and p["params"]["steps"] == 40 and p["params"]["cuda_graphs"] is False
+    ours, bare = p["ddp_slurm_samples_per_s"]["values"], p["bare_samples_per_s"]["values"]
+    assert len(ours) == len(bare) == 1 and positive(ours[0]) and positive(bare[0])
+    assert p["ratio"] == pytest.approx(ours[0] / bare[0])
+    assert "bare PyTorch loop" in text and f"ratio {p['ratio']:.3f}" in text
+    assert not list(tmp_path.glob("**/metrics.jsonl"))  # the runs went to a temporary folder, since removed
+
+
 THROTTLED_WRITE = """
 import os, sys, time
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -345,7 +361,7 @@ def test_forecast_model_pieces() -> None:
     assert forecast.ring_s(4, 1e6, 1e-4, 1e-9) == pytest.approx(6e-4 + 1.5e6 * 1e-9)
     assert forecast.buckets(3 << 20, None) == [1 << 20, 2 << 20]  # DDP: 1 MiB first, then up to 25 MiB
     assert forecast.buckets(60 << 20, None) == [1 << 20, 25 << 20, 25 << 20, 9 << 20]
-    assert forecast.buckets(1000, 500 / 2**20) == [500, 500]  # a small model's two halves (engine.bucket_cap_mb)
+    assert forecast.buckets(1000, 500 / 2**20) == [500, 500]  # a small model's two halves (bucket_cap_mb)
     f = forecast.fit([1000, 2000, 4000], [0.01 + 1000e-6, 0.01 + 2000e-6, 0.01 + 4000e-6], p=2)
     assert f["a_s"] == pytest.approx(0.01) and f["b_s_per_byte"] == pytest.approx(1e-6)
     assert f["alpha_s"] == pytest.approx(0.005) and f["beta_s_per_byte"] == pytest.approx(1e-6)
@@ -397,3 +413,24 @@ def test_forecast_smoke(tmp_path: Path) -> None:
     assert both["measured"]["compute_from_world_size"] == 1
     assert both["measured"]["compute_s"] == one["measured"]["compute_s"]
     assert both["measured"]["alpha_s"] == m["alpha_s"] and len(both["forecast"]) == 3
+
+
+@pytest.mark.parametrize("command", [None, "loader", "limit", "ddp", "startup", "tta", "forecast", "checkpoint"])
+def test_help_is_plain_text(command: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` shows the module docs as a terminal should: no reST literals or roles left in them."""
+    from ddp_slurm.bench import __main__ as bench_cli
+
+    with pytest.raises(SystemExit) as done:
+        bench_cli.parse_args([command, "--help"] if command else ["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m ddp_slurm.bench" in out and len(out.splitlines()) > 5
+    assert "``" not in out and ":mod:`" not in out and ":func:`" not in out and ":class:`" not in out, out
+    assert "`" not in out, [line for line in out.splitlines() if "`" in line]
+
+
+def test_plain_unwraps_rest_markup() -> None:
+    from ddp_slurm.text import plain
+
+    doc = "``bench tta``: see :mod:`ddp_slurm.bench.common` and :class:`~ddp_slurm.train.metrics.MetricsWriter`."
+    assert plain(doc) == "bench tta: see ddp_slurm.bench.common and MetricsWriter."

@@ -23,7 +23,8 @@ from ddp_slurm.bootstrap import (
     derive_port,
     expand_hostlist,
 )
-from ddp_slurm.dist import group
+from ddp_slurm.distributed import group
+from ddp_slurm.distributed.env import RENDEZVOUS_VARS, TORCHRUN_LAYOUT_VARS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -580,7 +581,7 @@ def _env(master_addr: str = "head", world_size: int = 4) -> DistEnv:
 
 def test_fix_loopback_sets_ifnames(loopback_host: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
     environ: dict[str, str] = {}
-    with caplog.at_level(logging.INFO, logger="ddp_slurm.dist.group"):
+    with caplog.at_level(logging.INFO, logger="ddp_slurm.distributed.group"):
         assert bootstrap.fix_loopback_ifname(_env(), environ) == "eth7"
         assert bootstrap.fix_loopback_ifname(_env(), environ) is None  # already done
     assert environ == {"GLOO_SOCKET_IFNAME": "eth7"}  # NCCL finds its interface itself: not touched
@@ -704,17 +705,7 @@ def spawn(rank: int, world_size: int, port: int, timeout_s: float = 5.0) -> subp
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "TORCHELASTIC_", "GLOO_", "NCCL_"))
-        and k
-        not in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE",
-            "GROUP_RANK",
-            "GROUP_WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-        )
+        and k not in (*TORCHRUN_LAYOUT_VARS, *RENDEZVOUS_VARS)
     }
     environ.update(
         RANK=str(rank),

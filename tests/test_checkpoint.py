@@ -26,7 +26,7 @@ from ddp_slurm.bootstrap import DistEnv
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train import state as state_mod
-from ddp_slurm.train import step as engine
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 
 def make_state(step: int, seed: int = 0) -> dict[str, Any]:
@@ -34,8 +34,8 @@ def make_state(step: int, seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = models.build("mlp")
     cfg = config.Config()
-    optimizer = engine.make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
-    scheduler = engine.make_scheduler(cfg.train, optimizer, total_steps=100)
+    optimizer = make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
+    scheduler = make_scheduler(cfg.train, optimizer, total_steps=100)
     model(torch.randn(8, 1, 28, 28)).sum().backward()
     optimizer.step()
     scheduler.step()
@@ -88,7 +88,7 @@ def test_roundtrip_keeps_every_tensor_and_field(tmp_path: Path) -> None:
     # What was restored drives a model and an optimizer exactly like the originals.
     model = models.build("mlp")
     model.load_state_dict(loaded["model"])
-    optimizer = engine.make_optimizer(config.Config().train, model.parameters(), torch.device("cpu"))
+    optimizer = make_optimizer(config.Config().train, model.parameters(), torch.device("cpu"))
     optimizer.load_state_dict(loaded["optimizer"])
     assert checkpoint.load_latest(tmp_path)["step"] == 30
     assert not list((tmp_path / "checkpoints").glob(".*")), "temporary file left behind"
@@ -114,8 +114,8 @@ def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
         model = models.build("cnn")
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         assert all(k.startswith("module.") for k in ddp.state_dict())
-        optimizer = engine.make_optimizer(cfg.train, ddp.parameters(), torch.device("cpu"))
-        scheduler = engine.make_scheduler(cfg.train, optimizer, 10)
+        optimizer = make_optimizer(cfg.train, ddp.parameters(), torch.device("cpu"))
+        scheduler = make_scheduler(cfg.train, optimizer, 10)
         ddp(torch.randn(4, 1, 28, 28)).sum().backward()
         optimizer.step()
         snapshot = state_mod.capture(

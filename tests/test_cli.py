@@ -18,7 +18,7 @@ from conftest import REPO, base_env
 
 from ddp_slurm import __version__, config
 from ddp_slurm.config import Config
-from ddp_slurm.config_doc import field_docs
+from ddp_slurm.config.doc import field_docs
 
 ENTRY_POINTS = [
     ["-m", "ddp_slurm"],

@@ -16,7 +16,7 @@ from conftest import REPO, Launcher, base_env
 
 from ddp_slurm import config
 from ddp_slurm.config import Config, ConfigError
-from ddp_slurm.dist.env import free_port
+from ddp_slurm.distributed.env import free_port
 
 JOBS = REPO / "jobs"
 
@@ -55,7 +55,7 @@ def test_every_field_has_a_docstring() -> None:
     from ddp_slurm.tasks.mnist import task as mnist_task
 
     documented: set[str] = set()
-    for module in (config, mnist_task):  # the runtime's sections and the built-in task's
+    for module in (config.schema, mnist_task):  # the runtime's sections and the built-in task's
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.ClassDef):
                 body = node.body
@@ -261,6 +261,35 @@ def test_incompatible_changes() -> None:
     assert "train.lr: 0.004 -> 0.1" in joined
     assert "model.name: 'cnn' -> 'mlp'" in joined
     assert "run.seed: 0 -> 5" in joined
+
+
+def test_each_runtime_key_is_declared_once_on_its_field() -> None:
+    """Check, resumability and YAML key live on the field (``checked``) or its section (``RESUMABLE``):
+    the keys a relaunch may change are exactly the ones that change how a run goes, not what it computes."""
+    cfg = config.load()
+    resumable = {
+        f"{section}.{key}"
+        for section in config.RUNTIME_SECTIONS
+        for key in cfg.to_dict()[section]
+        if config.resume._resumable(cfg, f"{section}.{key}")
+    }
+    sections = ("checkpoint", "dist", "slurm", "log")
+    whole = {f"{s}.{k}" for s in sections for k in cfg.to_dict()[s]}
+    assert "checkpoint.async" in whole and whole <= resumable
+    assert resumable - whole == {
+        "run.name",
+        "run.output_root",
+        "run.init_from",  # a warm start's source: read only by a run's first launch (config.yaml records the file)
+        "run.init_optimizer",
+        "train.log_every_steps",
+        "train.log_every_s",
+        "train.workers",
+        "train.prefetch",
+        "train.eval_batch_size",
+    }
+    assert not hasattr(config, "_CHECKS") and not hasattr(config, "RESUMABLE_CHANGES")
+    with pytest.raises(ConfigError, match=r"checkpoint.keep in the command line: expected an integer >= 1, got 0"):
+        config.load(None, ["checkpoint.keep=0"])
 
 
 # --------------------------------------------------------------------------- as real processes

@@ -25,7 +25,7 @@ from ddp_slurm.config import TrainConfig
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.tasks.mnist.data import DataError
 from ddp_slurm.train import loader
-from ddp_slurm.train import step as engine
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 SAMPLE_DIR = Path(str(resources.files("ddp_slurm") / "assets" / "mnist-sample"))
 
@@ -81,7 +81,7 @@ EVAL_SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     from ddp_slurm.tasks.mnist import data
     import helpers
-    from ddp_slurm.train import step as engine
+    from ddp_slurm.train.optim import make_optimizer, make_scheduler
     from ddp_slurm.tasks.mnist import models
 
     rank, world_size, store, weights, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
@@ -104,8 +104,8 @@ def _trained(name: str, train: data.Split, steps: int = 25) -> torch.nn.Module:
     torch.manual_seed(0)
     model = models.build(name)
     cfg = TrainConfig(lr=4e-3, schedule="constant")
-    optimizer = engine.make_optimizer(cfg, model.parameters(), torch.device("cpu"))
-    scheduler = engine.make_scheduler(cfg, optimizer, steps)
+    optimizer = make_optimizer(cfg, model.parameters(), torch.device("cpu"))
+    scheduler = make_scheduler(cfg, optimizer, steps)
     step = helpers.mnist_step(model, optimizer, scheduler, train)
     perm = loader.epoch_permutation(len(train), 0, 0)
     losses = [step(perm[loader.rank_slice(i, 64, 0, 1)]).item() for i in range(steps)]
@@ -220,7 +220,8 @@ def test_full_mnist_is_read_with_torchvision(tmp_path: Path, sample_train: data.
 
 @pytest.mark.slow
 def test_train_with_missing_mnist_and_download_off(tmp_path: Path) -> None:
-    """As a real process: one error line naming the directory and the download command, exit 1."""
+    """As a real process: one error line naming the directory and the download command, exit 2 before
+    anything starts (a usage error: nothing is created)."""
     root = tmp_path / "nowhere"
     res = subprocess.run(
         [
@@ -238,11 +239,12 @@ def test_train_with_missing_mnist_and_download_off(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert res.returncode == 1, res.stderr
-    errors = [line for line in res.stderr.splitlines() if "ERROR" in line]
-    assert len(errors) == 1, res.stderr
-    assert str(root) in errors[0] and f"python -m ddp_slurm.data download --root {root}" in errors[0]
-    assert "Traceback" not in res.stderr
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("ddp_slurm.train: error: full MNIST not found"), (
+        res.stderr
+    )
+    assert str(root) in res.stderr and f"python -m ddp_slurm.data download --root {root}" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory, no data directory
 
 
 @pytest.mark.slow
@@ -264,12 +266,13 @@ def test_train_with_download_on_and_no_network(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert res.returncode == 1, res.stderr
+    assert res.returncode == 2, res.stderr  # missing data is bad input, like a missing file
     errors = [line for line in res.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1, res.stderr
     assert "could not download MNIST" in errors[0] and str(root) in errors[0]
     assert f"python -m ddp_slurm.data download --root {root}" in errors[0]
     assert "Traceback" not in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the download's folders removed, no run directory
 
 
 @pytest.mark.slow

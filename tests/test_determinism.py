@@ -17,7 +17,7 @@ from ddp_slurm import config
 from ddp_slurm.config import ConfigError
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train import determinism
-from ddp_slurm.train import step as engine
+from ddp_slurm.train.optim import make_optimizer
 from ddp_slurm.train.precision import check_precision
 
 
@@ -80,7 +80,7 @@ def test_training_steps_run_and_repeat_under_deterministic_algorithms(torch_flag
     def run() -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = models.build(model_name)
-        opt = engine.make_optimizer(cfg, model.parameters(), torch.device("cpu"))
+        opt = make_optimizer(cfg, model.parameters(), torch.device("cpu"))
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
         for i in range(4):
             batch = order[i * 32 : (i + 1) * 32]

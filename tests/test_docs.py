@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,31 @@ CLAIMED = {
         f"{TASKS_CLUSTER}::test_submit_4_nodes_minimal_task_and_example",
         '"--nodes"',
     ),
+    "DDP_SLURM_SYNC_DEBUG=error python -m ddp_slurm.train model.name=cnn train.epochs=2": (
+        "tests/test_gpu_path.py::test_the_real_loop_never_synchronises_between_boundaries",
+        "DDP_SLURM_SYNC_DEBUG",
+    ),
+    "python -m ddp_slurm.train model.name=cnn train.cuda_graphs=true": ("tests/test_gpu_path.py", "train.cuda_graphs"),
+    "python -m ddp_slurm.bench overhead --device cuda --model cnn --batch 128 --json overhead.json": (
+        "benchmarks/gpu_check.sh",
+        "bench overhead --device cuda",
+    ),
+    "python -m ddp_slurm.bench overhead --device cuda --model cnn --batch 128 --cuda-graphs --json graphs.json": (
+        "benchmarks/gpu_check.sh",
+        "--cuda-graphs",
+    ),
+    "python -m ddp_slurm.bench overhead --device cpu --model mlp --threads 1": (
+        "tests/test_bench.py::test_overhead_smoke",
+        '"overhead"',
+    ),
+    "python -m ddp_slurm.train run.name=short model.name=mlp train.max_steps=80": (
+        "tests/test_warmstart.py::test_extending_a_finished_run_points_to_a_warm_start",
+        "run.init_from=runs/base",
+    ),
+    "python -m ddp_slurm.train run.name=bad run.init_from=runs/short": (
+        "tests/test_warmstart.py::test_another_model_is_refused_before_training",
+        '"model.name=cnn"',
+    ),
     "python -m ddp_slurm.report runs/lrsweep": (
         "tests/test_report_overlay.py::test_sweep_manifest_order",
         '"sweep"',
@@ -109,6 +135,27 @@ CLAIMED = {
     "python -m ddp_slurm.report runs/a runs/b --output ab.png": (
         "tests/test_report_overlay.py::test_folder_of_runs_overlaid",
         '"--output"',
+    ),
+    # docs/scaling.md: fsdp, its benchmarks, accumulation (2 ranks and the full sample: their tests run them short)
+    "torchrun --standalone --nproc_per_node 2 -m ddp_slurm.train dist.strategy=fsdp": (
+        "tests/test_fsdp.py::test_sigusr2_resume_is_bit_identical_and_reshards_at_another_world_size",
+        '"dist.strategy=fsdp"',
+    ),
+    "torchrun --standalone --nproc_per_node 1 -m ddp_slurm.train dist.strategy=fsdp run.name=big": (
+        "tests/test_fsdp.py::test_sigusr2_resume_is_bit_identical_and_reshards_at_another_world_size",
+        "from a sharded checkpoint of world size 2",
+    ),
+    "python -m ddp_slurm.bench memory --strategy ddp,fsdp --world 2 --json memory.json": (
+        "tests/test_bench_memory.py::test_memory_fsdp_holds_a_share_of_the_model_state",
+        '"memory", "--world", "2"',
+    ),
+    "python -m ddp_slurm.bench checkpoint --strategy fsdp --state-mb 64": (
+        "tests/test_bench_memory.py::test_checkpoint_fsdp_smoke",
+        '"--strategy", "fsdp"',
+    ),
+    "torchrun --standalone --nproc_per_node 2 -m ddp_slurm.train train.accumulate=4 train.grad_clip=1.0": (
+        "tests/test_accumulate.py::test_accumulate_trains_as_well_resumes_exactly_and_logs_the_norm",
+        '"train.accumulate=4", "train.grad_clip=5.0"',
     ),
 }
 """Shown in ```sh blocks and run by another test: ``(test, text its file contains)``."""
@@ -203,6 +250,25 @@ def test_make_run(tmp_path: Path) -> None:
     assert state is not None and state["finished"] and state["world_size"] == 2
 
 
+def test_make_run_installs_no_test_tools_and_torch_cpu_takes_the_cpu_build(tmp_path: Path) -> None:
+    """What `make run` would install on a fresh copy (make -n: the recipes, not run): the package alone;
+    `make test` adds the test extra; TORCH=cpu points pip at torch's CPU wheels for both."""
+
+    def recipe(*args: str) -> str:
+        res = subprocess.run(["make", "-n", *args], cwd=root, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return res.stdout
+
+    root = fresh_copy(tmp_path / "repo")
+    run = recipe("run")
+    assert "pip install -q  -e .\n" in run and "[test]" not in run and "download.pytorch.org" not in run
+    assert "ddp_slurm.launch --standalone --nproc_per_node 2" in run
+    test = recipe("test")
+    assert "-e '.[test]'" in test and "-m pytest" in test
+    cpu = recipe("run", "TORCH=cpu")
+    assert "pip install -q --extra-index-url https://download.pytorch.org/whl/cpu -e ." in cpu
+
+
 def defines(path: Path, name: str) -> bool:
     return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(ast.parse(path.read_text())))
 
@@ -220,3 +286,41 @@ def test_every_shown_command_has_a_test() -> None:
         assert (REPO / file).is_file(), f"{command!r}: {file} does not exist"
         assert not name or defines(REPO / file, name), f"{command!r}: {file} defines no {name}"
         assert text in (REPO / file).read_text(), f"{command!r}: {file} does not say {text!r}"
+
+
+# A repository path as the pages write it: a top-level folder of this repository, then a path. Not one
+# inside another path (``~/ddp_slurm/sbatch/...``, ``/home/me/ddp_slurm/runs``: the reader's copy) and
+# not a pattern (``tests/test_<module>.py``, ``jobs/*.yaml``).
+TOP = ("ddp_slurm", "tests", "docs", "jobs", "sbatch", "benchmarks", "examples", ".ci")
+NAMED_PATH = re.compile(rf"(?<![\w/.~<-])((?:{'|'.join(map(re.escape, TOP))})/[\w./-]*[\w/])(?![\w<*{{]|\.\w)")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def named_paths(text: str, folder: Path) -> set[str]:
+    """Every repository path a page's ``text`` names: in the text (from the repository root) and in its
+    links (from the page's ``folder``)."""
+    found = set(NAMED_PATH.findall(text))
+    for target in LINK.findall(text):
+        if not re.match(r"[a-z]+:", target):  # not https: or mailto:
+            found.add(os.path.relpath(os.path.normpath(folder / target), REPO))
+    return found
+
+
+def test_named_paths_finds_what_a_page_names() -> None:
+    text = (
+        "See `ddp_slurm/train/loop.py`, [faults](faults.md), [top](../README.md#x), tests/test_x.py. "
+        "Not ~/ddp_slurm/sbatch/a.sh, /home/me/ddp_slurm/runs/m, tests/test_<module>.py, jobs/*.yaml "
+        "or [a site](https://example.org/docs/x.md)."
+    )
+    found = named_paths(text, REPO / "docs")
+    assert found == {"ddp_slurm/train/loop.py", "docs/faults.md", "README.md", "tests/test_x.py"}
+
+
+def test_every_path_a_page_names_exists() -> None:
+    missing = [
+        f"{page.relative_to(REPO)}: {path}"
+        for page in PAGES
+        for path in sorted(named_paths(page.read_text(), page.parent))
+        if not (REPO / path).exists()
+    ]
+    assert not missing, f"pages name paths that do not exist (moved or renamed?): {missing}"

@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import base_env
 
-from ddp_slurm.dist.env import DistEnv, free_port
+from ddp_slurm.distributed.env import DistEnv, free_port
 from ddp_slurm.tools import doctor
 
 DOCTOR = [sys.executable, "-m", "ddp_slurm.doctor", "--timeout", "5", "--size-mb", "1", "--iters", "2"]

@@ -410,6 +410,72 @@ def test_all_checkpoints_unusable_stops_instead_of_starting_over(finished_run: P
     assert "Traceback" not in res.stderr
 
 
+# Whole, sealed checkpoints that do not fit the run (the task's configure_optimizer edited between requeues,
+# another program's state): each used to crash every relaunch (a traceback, or a segfault for a wrong-shaped
+# optimizer state) or, for a foreign schedule, to be resumed silently with another result.
+def _another_schedule(state: dict[str, Any]) -> None:
+    lrs = state["scheduler"]["base_lrs"]
+    state["scheduler"] = {"base_lrs": lrs, "last_epoch": state["step"], "lr_lambdas": [None], "_step_count": 1}
+
+
+MISFITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "another optimizer": (
+        lambda s: s["optimizer"]["param_groups"][0].update(momentum=0.9, dampening=0, nesterov=True),
+        "another optimizer",
+    ),
+    "optimizer state of the wrong shape": (
+        lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)),
+        "has shape [3]",
+    ),
+    "another schedule": (_another_schedule, "another schedule's"),
+    "no step_in_epoch": (lambda s: s.pop("step_in_epoch"), "step_in_epoch is missing"),
+    "garbage step_in_epoch": (lambda s: s.update(step_in_epoch="7"), "step_in_epoch is missing or not a count"),
+    "garbage RNG state": (lambda s: s["rng"][0].update(torch=torch.zeros(3, dtype=torch.uint8)), "RNG streams"),
+    "garbage best": (lambda s: s.update(best="high"), "best metric is not a number"),
+}
+
+
+def reseal(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """``path`` rewritten with ``change`` applied, sealed as the program seals: it passes every file check."""
+    state = checkpoint.load(path)
+    change(state)
+    path.unlink()
+    checkpoint.save(path.parent.parent, state, keep=100)
+    checkpoint.load(path)  # whole and sealed
+
+
+@pytest.mark.parametrize("how", sorted(MISFITS))
+def test_checkpoint_that_does_not_fit_is_skipped_before_anything_is_loaded(
+    finished_run: Path, tmp_path: Path, how: str
+) -> None:
+    run_dir = copy_run(finished_run, tmp_path)
+    change, says = MISFITS[how]
+    reseal(run_dir / "checkpoints" / "step-30.pt", change)
+    res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*SHORT), timeout=TIMEOUT_S)
+    assert res.returncode == 0, res.stderr
+    [warning] = [line for line in res.stderr.splitlines() if "skipping checkpoint" in line]
+    assert re.search(r"skipping checkpoint \S*step-30\.pt: ", warning) and says in warning, warning
+    resumed = [r for r in rows(run_dir) if r["kind"] == "start"][-1]
+    assert resumed["resumed"] is True and resumed["step"] == 20, resumed
+    assert checkpoint.load_latest(run_dir)["finished"]
+
+
+def test_no_checkpoint_fits_exits_2_naming_the_file_and_what_does_not_fit(finished_run: Path, tmp_path: Path) -> None:
+    run_dir = copy_run(finished_run, tmp_path)
+    for _, path in checkpoint.list_checkpoints(run_dir):
+        reseal(path, MISFITS["optimizer state of the wrong shape"][0])
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*SHORT), timeout=TIMEOUT_S)
+    assert res.returncode == 2, res.stderr
+    [line] = error_lines(res.stderr)
+    assert re.search(
+        r"no checkpoint fits this run: \S*step-30\.pt: its optimizer state exp_avg of parameter 0 has shape \[3\]",
+        line,
+    ), line
+    assert "Traceback" not in res.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == files
+
+
 # =========================================================================== 4. unwritable / full disk
 @pytest.fixture
 def mounts() -> Iterator[Callable[..., None]]:
@@ -505,6 +571,21 @@ def test_read_only_run_directory_stops_with_one_line(finished_run: Path, tmp_pat
     [line] = error_lines(res.stderr)
     assert "cannot write the run directory runs/base: Read-only file system" in line, line
     assert "Traceback" not in res.stderr and helpers.checkpoint_files(run_dir) == before
+
+
+def test_run_directory_deleted_mid_run_stops_with_one_line_and_is_not_recreated(tmp_path: Path, start) -> None:
+    """The run directory removed under a training run (rm -rf, a cleanup script): the next save stops the run
+    with one line; nothing is recreated in its place (it used to come back 0755 without config, metrics or
+    lock, and the run ended "finished")."""
+    launcher, run_dir = Launcher(tmp_path), tmp_path / "runs" / "gone"
+    run = start(launcher.cmd_train(*LONG, "run.name=gone"))
+    run.until("a checkpoint", lambda: len(checkpoint.list_checkpoints(run_dir)) >= 1)
+    shutil.rmtree(run_dir)
+    assert run.wait() == 1, run.text()
+    [line] = error_lines(run.text())
+    assert re.search(r"cannot write checkpoint \S*step-\d+\.pt: the run directory \S*runs/gone is gone", line), line
+    assert "Traceback" not in run.text()
+    assert not run_dir.exists()
 
 
 # =========================================================================== 5. two launches, one run
@@ -714,6 +795,58 @@ def test_rendezvous_port_in_use_names_the_port_and_the_way_out(tmp_path: Path) -
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.fixture
+def foreign_listener() -> Iterator[int]:
+    """A port held by another program that accepts connections and never answers (a stale server)."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:  # closed at the end of the test
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def test_taken_port_every_rank_gives_up_in_time_with_one_line(tmp_path: Path, start, foreign_listener: int) -> None:
+    """Rank 0 cannot listen and says so at once; the other ranks reach the foreign listener and used to wait
+    as long as it lived, deaf to SIGTERM: now they give up within dist.timeout_s plus a few seconds, naming
+    the port, and a stop signal ends the wait (exit 75, nothing created)."""
+    launcher, port, timeout_s = Launcher(tmp_path), foreign_listener, 5
+    args = [*SHORT, "train.global_batch_size=60", f"dist.timeout_s={timeout_s}"]
+    ranks = [start(launcher.cmd_train(*args), env=rank_env(r, 3, port)) for r in range(3)]
+    began = time.monotonic()
+    ranks[0].wait(timeout=120)  # it fails at once, after importing torch: by then the others are waiting
+    time.sleep(1)
+    os.kill(ranks[2].pid, signal.SIGTERM)
+    codes = [r.wait(timeout=120) for r in ranks]
+    took = time.monotonic() - began
+    assert took < timeout_s + 30, f"{took:.0f} s"  # start-up (torch import) plus timeout plus margin, on a busy machine
+    assert codes == [1, 1, EXIT_STOPPED], [r.text() for r in ranks]
+    [line] = error_lines(ranks[0].text(), 0)
+    assert f"port {port} is already in use on 127.0.0.1; set MASTER_PORT to a free port" in line, line
+    [line] = error_lines(ranks[1].text(), 1)
+    assert re.search(
+        rf"rank 1: rendezvous at 127\.0\.0\.1:{port} timed out after {timeout_s} s: something accepts connections "
+        rf"on port {port} but does not answer as rank 0's rendezvous store .*set MASTER_PORT to a free port",
+        line,
+    ), line
+    assert "stop signal while waiting for the other ranks" in ranks[2].text(), ranks[2].text()
+    assert all("Traceback" not in r.text() for r in ranks)
+    assert not (tmp_path / "runs").exists()
+
+
 # =========================================================================== 8. loss becomes NaN
 def test_diverging_loss_stops_at_that_step_and_saves_no_bad_weights(tmp_path: Path) -> None:
     launcher, run_dir = Launcher(tmp_path), tmp_path / "runs" / "nan"
@@ -793,7 +926,7 @@ def test_stop_signal_during_a_checkpoint_save(tmp_path: Path, start) -> None:
             "checkpoint.every_steps=1",
             "checkpoint.keep=3",
             "run.name=mid-save",
-            "checkpoint.async=false",  # the synchronous writer; a signal mid background write: test_ckpt_async
+            "checkpoint.async=false",  # the synchronous writer; a signal mid background write: test_checkpoint_writer
         )
     )
     run.until("training", lambda: len(checkpoint.list_checkpoints(run_dir)) >= 1)
@@ -860,7 +993,7 @@ def dogs(world: int, store: Any | None = None) -> list[Any]:
     """One Watchdog per pretend rank, all in this process, sharing one store; quick timings."""
     import torch.distributed as dist
 
-    from ddp_slurm.dist.watchdog import Watchdog
+    from ddp_slurm.distributed.watchdog import Watchdog
 
     store = store if store is not None else dist.HashStore()
     return [
@@ -931,7 +1064,7 @@ def test_watchdog_keeps_the_verdict_when_the_store_host_exits_before_a_slow_surv
     the store with it): when rank 3's collective finally fails, it reports rank 2, not rank 0."""
     import torch.distributed as dist
 
-    from ddp_slurm.dist.watchdog import Watchdog
+    from ddp_slurm.distributed.watchdog import Watchdog
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pack = [

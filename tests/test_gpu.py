@@ -18,7 +18,8 @@ from conftest import Launcher
 from ddp_slurm import config
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train import loader
-from ddp_slurm.train import step as engine
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
+from ddp_slurm.train.step import autocast
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,9 +55,9 @@ def test_step_on_gpu_resident_data_never_waits_for_the_device() -> None:
     cfg = config.load().train
     torch.manual_seed(0)
     model = models.build("cnn").to(device)
-    opt = engine.make_optimizer(cfg, model.parameters(), device)
+    opt = make_optimizer(cfg, model.parameters(), device)
     assert opt.defaults.get("fused"), "CUDA has fused optimizer kernels: the step should use them"
-    step = helpers.mnist_step(model, opt, engine.make_scheduler(cfg, opt, 2 * 39), train)
+    step = helpers.mnist_step(model, opt, make_scheduler(cfg, opt, 2 * 39), train)
     assert train.images.device.type == "cuda" and train.images.dtype == torch.uint8
     perms = [loader.epoch_permutation(len(train), 0, epoch).to(device) for epoch in range(2)]  # copies synchronise
     losses = [step(perms[0][loader.rank_slice(0, 128, 0, 1)])]  # the first step may synchronise while it sets up
@@ -86,7 +87,7 @@ def test_bf16_autocast_trains(launcher: Launcher) -> None:
         return
     check_precision("bf16", torch.device("cuda", 0))
     model = models.build("cnn").cuda()
-    with engine.autocast(torch.device("cuda"), "bf16"):
+    with autocast(torch.device("cuda"), "bf16"):
         assert model(torch.randn(4, 1, 28, 28, device="cuda")).dtype == torch.bfloat16
     res = launcher.run(launcher.cmd_train("train.precision=bf16", "train.epochs=2", "run.name=bf16"), timeout=600)
     assert res.returncode == 0, res.stderr

@@ -1,6 +1,8 @@
-"""The GPU path on a CUDA GPU: no host sync in the steady-state step nor in the stop vote (NCCL),
-interrupt-and-resume bit-identical with train.deterministic=true, the error path's abort of an NCCL
-group, and NCCL's refusal of two ranks on one GPU turned into one line.
+"""The GPU path on a CUDA GPU: no host sync in the steady-state step nor in the stop vote (NCCL), nor in
+the real loop between its boundaries (eager and with train.cuda_graphs), interrupt-and-resume
+bit-identical with train.deterministic=true (eager and graphed), train.cuda_graphs on the Dataset path
+and its one line for a step that needs the host, the error path's abort of an NCCL group, and NCCL's
+refusal of two ranks on one GPU turned into one line.
 
 Marked ``gpu`` like tests/test_gpu.py, and skipped the same way without CUDA (CI machines have none);
 ``benchmarks/gpu_check.sh`` runs both files and fails if anything skips. Checks that need two GPUs are
@@ -19,15 +21,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import Launcher, base_env
+from tasks_helpers import addition_tiny
 
 from ddp_slurm import config
-from ddp_slurm.dist import group
-from ddp_slurm.dist.env import DistEnv
+from ddp_slurm.distributed import group
+from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.exitcodes import EXIT_STOPPED
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train import step as engine
+from ddp_slurm.train.optim import make_optimizer
 from ddp_slurm.train.signals import StopFlag
+from ddp_slurm.train.vote import StopVote
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,7 +59,7 @@ def test_stop_vote_and_steps_never_synchronise_the_host() -> None:
         cfg = config.load(overrides=["model.name=mlp"]).train
         torch.manual_seed(0)
         model = models.build("mlp").to(device)
-        opt = engine.make_optimizer(cfg, model.parameters(), device)
+        opt = make_optimizer(cfg, model.parameters(), device)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0)).to(device)
 
         def step(i: int) -> torch.Tensor:
@@ -67,7 +71,7 @@ def test_stop_vote_and_steps_never_synchronise_the_host() -> None:
             return loss.detach()
 
         stop = StopFlag()
-        votes = engine.StopVote(stop, 2, device)
+        votes = StopVote(stop, 2, device)
         for i in range(1, 4):  # warm-up: allocations, NCCL's first collective, the pinned buffers
             votes.exchange(step(i), i)
         torch.cuda.synchronize()
@@ -86,6 +90,36 @@ def test_stop_vote_and_steps_never_synchronise_the_host() -> None:
         votes.exchange(torch.tensor(float("nan"), device=device), 70)
         assert votes.exchange(torch.tensor(0.5, device=device), 71) == (True, False, True)
         assert votes.bad == "loss is nan at step 70"
+
+
+def _watched(stderr: str) -> int:
+    """Steady steps the loop ran under DDP_SLURM_SYNC_DEBUG (its closing log line), 0 without the line."""
+    import re
+
+    found = re.search(r"(\d+) steady steps ran without a host sync", stderr)
+    return int(found.group(1)) if found else 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_the_real_loop_never_synchronises_between_boundaries(launcher: Launcher, graphs: bool) -> None:
+    """``python -m ddp_slurm.train`` itself (vote, loss window, progress, watchdog, checkpoints every 25
+    steps, two epochs with evaluation) under set_sync_debug_mode("error") from its 3rd step on, switched
+    off only around log lines, saves and evaluations (DDP_SLURM_SYNC_DEBUG, train/syncdebug.py): any
+    synchronising call in a steady step raises and the run fails. Eagerly and with train.cuda_graphs."""
+    res = launcher.run(
+        launcher.cmd_train(
+            "model.name=cnn",
+            "train.epochs=2",
+            "train.log_every_steps=10",
+            "checkpoint.every_steps=25",
+            f"train.cuda_graphs={str(graphs).lower()}",
+            f"run.name=nosync-{graphs}",
+        ),
+        env=base_env(DDP_SLURM_SYNC_DEBUG="error"),
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert _watched(res.stderr) >= 150, res.stderr[-2000:]  # 156 steps, 3 of warm-up
 
 
 def _train_until(launcher: Launcher, name: str, overrides: list[str], stop_after: int | None) -> None:
@@ -114,14 +148,22 @@ def _rows_if_any(run_dir: Path) -> list[dict]:
         return []
 
 
-def test_deterministic_interrupt_and_resume_is_bit_identical(launcher: Launcher) -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_deterministic_interrupt_and_resume_is_bit_identical(launcher: Launcher, graphs: bool) -> None:
     """cnn (cuDNN convolutions), train.deterministic=true: stopped by SIGUSR2 mid-epoch and resumed, the
-    final weights and optimizer state equal those of an uninterrupted run bit for bit."""
-    overrides = ["model.name=cnn", "train.epochs=2", "train.deterministic=true", "train.log_every_steps=5"]
-    _train_until(launcher, "whole", overrides, None)
-    _train_until(launcher, "resumed", overrides, 30)
-    whole = checkpoint.load_latest(launcher.cwd / "runs" / "whole")
-    resumed = checkpoint.load_latest(launcher.cwd / "runs" / "resumed")
+    final weights and optimizer state equal those of an uninterrupted run bit for bit; with
+    train.cuda_graphs too (the resumed launch captures its graph again from the restored state)."""
+    overrides = [
+        "model.name=cnn",
+        "train.epochs=2",
+        "train.deterministic=true",
+        "train.log_every_steps=5",
+        f"train.cuda_graphs={str(graphs).lower()}",
+    ]
+    _train_until(launcher, f"whole-{graphs}", overrides, None)
+    _train_until(launcher, f"resumed-{graphs}", overrides, 30)
+    whole = checkpoint.load_latest(launcher.cwd / "runs" / f"whole-{graphs}")
+    resumed = checkpoint.load_latest(launcher.cwd / "runs" / f"resumed-{graphs}")
     assert whole["finished"] and resumed["finished"] and whole["step"] == resumed["step"]
     for key, tensor in whole["model"].items():
         assert torch.equal(tensor, resumed["model"][key]), key
@@ -153,3 +195,45 @@ def test_two_ranks_on_one_gpu_end_with_one_line(launcher: Launcher) -> None:
     )
     assert res.returncode != 0, res.stderr
     assert "share one GPU" in res.stderr and "--gpus-per-task=1" in res.stderr, res.stderr[-4000:]
+
+
+def test_cuda_graphs_learn_on_the_dataset_path_with_dropout(launcher: Launcher) -> None:
+    """The addition example (a Dataset through 2 workers, copied into the graph's input buffers; dropout,
+    whose random numbers the graph draws anew at each replay) learns with train.cuda_graphs=true."""
+    res = launcher.run(
+        launcher.cmd_train(*addition_tiny(epochs=2), "train.cuda_graphs=true", "run.name=add-graphs"), timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    losses = [r["loss"] for r in _rows(launcher.cwd / "runs" / "add-graphs") if r["kind"] == "train"]
+    assert len(losses) >= 10 and losses[-1] < 0.8 * losses[0], losses
+
+
+SYNCING_TASK = """
+import torch.nn.functional as F
+
+from ddp_slurm.tasks.mnist import MNIST, data
+
+
+class Syncing(MNIST):
+    def training_step(self, model, batch):
+        images, labels = batch
+        loss = F.cross_entropy(model(data.normalize(images)), labels)
+        if loss.item() > 100:  # the host reads the loss in the middle of the step
+            loss = loss * 0
+        return loss
+"""
+
+
+def test_a_step_that_needs_the_host_is_told_what_broke(launcher: Launcher) -> None:
+    """A training_step that reads a value on the host cannot be captured: one error line naming the task's
+    line and what to do, no traceback, exit 1."""
+    path = launcher.cwd / "syncing.py"
+    path.write_text(SYNCING_TASK)
+    res = launcher.run(
+        launcher.cmd_train(f"task={path}:Syncing", "model.name=mlp", "train.cuda_graphs=true", "run.name=sync"),
+        timeout=300,
+    )
+    assert res.returncode == 1, res.stderr[-4000:]
+    lines = [line for line in res.stderr.splitlines() if "cannot be captured as a CUDA graph" in line]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-4000:]
+    assert f"{path}:" in lines[0] and "loss.item()" in lines[0] and "train.cuda_graphs=false" in lines[0], lines

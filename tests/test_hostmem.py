@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from conftest import base_env
 
-from ddp_slurm.dist import hostmem
+from ddp_slurm.distributed import hostmem
 
 FAULTS = textwrap.dedent("""
     import json, os, resource, sys
@@ -19,8 +19,8 @@ FAULTS = textwrap.dedent("""
     from ddp_slurm import config
     from ddp_slurm.train import loader
     from ddp_slurm.tasks.mnist import data
-    from ddp_slurm.train import step as engine
-    from ddp_slurm.dist import hostmem
+    from ddp_slurm.train.optim import make_optimizer, make_scheduler
+    from ddp_slurm.distributed import hostmem
     from ddp_slurm.tasks.mnist import models
 
     kept = hostmem.keep_freed_memory(os.environ) if sys.argv[1] == "keep" else False
@@ -28,8 +28,8 @@ FAULTS = textwrap.dedent("""
     cfg = config.load(overrides=["model.name=cnn"])
     train = data.load_sample(train=True)
     model = models.build("cnn")
-    optimizer = engine.make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
-    step = helpers.mnist_step(model, optimizer, engine.make_scheduler(cfg.train, optimizer, 100), train)
+    optimizer = make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
+    step = helpers.mnist_step(model, optimizer, make_scheduler(cfg.train, optimizer, 100), train)
     perm = loader.epoch_permutation(len(train), 0, 0)
     for i in range(3):  # warm-up: the first steps fault in any case
         step(perm[loader.rank_slice(i, 128, 0, 1)])

@@ -84,9 +84,22 @@ def test_crash_then_resume_summary(launcher, tmp_path):
     # step 7 completed but only step 5 was checkpointed: the relaunch says where it resumes from
     assert re.search(
         r"resuming run runs/resumed: world size 1 on 1 node\(s\) via single, backend gloo, "
-        r"device cpu, from step 5 \(restart 0\)",
+        r"device cpu, from step 5 \(launch 2\)$",
         second.stderr,
+        re.M,
     ), second.stderr
+    assert "restart" not in second.stderr  # outside Slurm nothing was restarted: "restart 0" said nothing
+
+
+def test_resumed_from_names_the_launch_and_a_slurm_requeue():
+    from types import SimpleNamespace
+
+    plain = SimpleNamespace(in_slurm_job=False, restart_count=0)
+    assert logs.resumed_from(40, 2, plain) == "from step 40 (launch 2)"
+    requeued = SimpleNamespace(in_slurm_job=True, restart_count=1)
+    assert logs.resumed_from(40, 3, requeued) == "from step 40 (launch 3, Slurm requeue 1)"
+    first_job = SimpleNamespace(in_slurm_job=True, restart_count=0)
+    assert logs.resumed_from(40, 2, first_job) == "from step 40 (launch 2)"
 
 
 def _read_all(fd: int, proc: subprocess.Popen, limit_s: float = 600) -> bytes:
@@ -142,6 +155,47 @@ def test_progress_bar_on_a_terminal(tmp_path):
     assert with_figures, frames[-3:]
     assert re.search(r"\d+:\d\d<\d+:\d\d", with_figures[-1]), with_figures[-1]  # elapsed<ETA
     assert re.search(r"epoch 1/1: train loss \d", text)
+
+
+def test_log_lines_go_through_the_live_bar(tmp_path):
+    """A checkpoint every 2 steps while the bar is on a real pseudo-terminal: each checkpoint line is
+    written through tqdm (the bar cleared first, ``\\r`` then blanks then ``\\r``), so it starts on a
+    clean line and never lands inside the bar's text."""
+    main_fd, term_fd = pty.openpty()
+    fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddp_slurm.train",
+        "model.name=mlp",
+        "train.global_batch_size=32",
+        "train.epochs=1",
+        "train.max_steps=12",
+        "train.log_every_steps=4",
+        "checkpoint.every_steps=2",
+        "checkpoint.async=false",  # the line is logged on the training thread, between two bar updates
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=base_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=term_fd
+    )
+    os.close(term_fd)
+    try:
+        text = _read_all(main_fd, proc).decode(errors="replace")
+        proc.wait(timeout=60)
+    finally:
+        os.close(main_fd)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, text
+    lines = [line for line in text.split("\n") if "checkpoint runs/" in line]
+    assert len(lines) == 6, text  # steps 2, 4, ..., 12
+    for line in lines:
+        shown = line.rstrip("\r").split("\r")[-1]  # what the terminal shows: the text after the last \r
+        assert re.match(r"\d\d:\d\d:\d\d checkpoint runs/", shown), repr(line)
+        assert "epoch 1/1" not in line.split("checkpoint")[0].rsplit("\r", 1)[-1], repr(line)
+    cleared = [line for line in lines if re.search(r"\r +\r\d\d:\d\d:\d\d checkpoint", line)]
+    assert len(cleared) >= 5, [repr(line) for line in lines]  # tqdm.write: the bar was live and was cleared
+    assert re.search(r"\repoch 1/1:", text)  # and redrawn after the lines
 
 
 def test_batch_log_has_plain_lines_only(launcher):

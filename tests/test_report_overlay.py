@@ -24,8 +24,18 @@ from ddp_slurm.tools import figures, jobacct, report
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(run_dir: Path, lr: float, world_sizes: tuple[int, int] = (2, 2), job_id: str | None = None) -> Path:
-    """40 steps, 10 per epoch, logged every 5; a second launch at step 20 with world_sizes[1]."""
+def write_run(
+    run_dir: Path,
+    lr: float,
+    world_sizes: tuple[int, int] = (2, 2),
+    job_id: str | None = None,
+    steps_per_epoch: bool = False,
+    evals: bool = True,
+    spike_at: int | None = None,
+) -> Path:
+    """40 steps, 10 per epoch, logged every 5; a second launch at step 20 with world_sizes[1]. The start
+    lines name the steps per epoch with ``steps_per_epoch`` (as training writes them now); ``spike_at``:
+    one logged window 100 times faster than the rest (a clock jump)."""
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text("train:\n  global_batch_size: 64\n")
     rows = []
@@ -34,6 +44,7 @@ def write_run(run_dir: Path, lr: float, world_sizes: tuple[int, int] = (2, 2), j
         rows.append(
             {"kind": "start", "step": first, "epoch": first // 10, "time_s": first * 0.1, "world_size": ws}
             | ({"job_id": job_id, "restart_count": launch} if job_id else {})
+            | ({"steps_per_epoch": 10} if steps_per_epoch else {})
         )
         for step in range(first + 5, last + 1, 5):
             epoch = (step - 1) // 10
@@ -44,12 +55,12 @@ def write_run(run_dir: Path, lr: float, world_sizes: tuple[int, int] = (2, 2), j
                     "epoch": epoch,
                     "time_s": step * 0.1,
                     "loss": 2.0 / step**0.5,
-                    "samples_per_s": 1000.0 * ws,
+                    "samples_per_s": 1000.0 * ws * (100 if step == spike_at else 1),
                     "world_size": ws,
                     "lr": lr * (1 - step / 50),
                 }
             )
-            if step % 10 == 0:
+            if step % 10 == 0 and evals:
                 rows.append({"kind": "eval", "step": step, "epoch": epoch, "time_s": step * 0.1, "accuracy": step / 50})
     rows.append({"kind": "end", "step": 40, "epoch": 3, "time_s": 4.0})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -57,17 +68,52 @@ def write_run(run_dir: Path, lr: float, world_sizes: tuple[int, int] = (2, 2), j
 
 
 def test_marks_found_in_the_metrics(tmp_path: Path) -> None:
-    run = report.load(write_run(tmp_path / "r", 1e-3, world_sizes=(2, 4)))
-    assert figures.epoch_boundaries(run) == [15, 25, 35]  # first logged step of each later epoch
+    run = report.read_history(write_run(tmp_path / "r", 1e-3, world_sizes=(2, 4), steps_per_epoch=True))
+    assert figures.epoch_boundaries(run) == [10, 20, 30]  # where epochs 2, 3 and 4 began
     assert figures.world_size_changes(run) == [(20, 2.0, 2, 4)]
-    assert figures.world_size_changes(report.load(write_run(tmp_path / "same", 1e-3))) == []
+    assert figures.world_size_changes(report.read_history(write_run(tmp_path / "same", 1e-3))) == []
+
+
+def test_epoch_boundaries_of_files_without_steps_per_epoch(tmp_path: Path) -> None:
+    """Older files: each epoch's evaluation marks its end exactly; without evaluations, the first logged
+    step of the next epoch is the best there is."""
+    assert figures.epoch_boundaries(report.read_history(write_run(tmp_path / "old", 1e-3))) == [10, 20, 30]
+    assert figures.epoch_boundaries(report.read_history(write_run(tmp_path / "bare", 1e-3, evals=False))) == [
+        15,
+        25,
+        35,
+    ]
+
+
+def test_epoch_boundary_lines_are_drawn_at_the_boundary(tmp_path: Path) -> None:
+    run = report.read_history(write_run(tmp_path / "r", 1e-3, steps_per_epoch=True))
+    fig = figures.build_run(run, "r")
+    loss = fig.axes[0]
+    drawn = sorted(line.get_xdata()[0] for line in loss.get_lines() if line.get_color() == "tab:olive")
+    assert drawn == [64 * 10, 64 * 20, 64 * 30]  # samples seen at steps 10, 20, 30 (global batch 64)
 
 
 def test_overlay_marks_each_epoch_boundary_once(tmp_path: Path) -> None:
-    runs = [report.load(write_run(tmp_path / f"lr={lr}", lr)) for lr in (1e-3, 4e-3, 1.6e-2)]
-    at = [runs[0].samples(step) for step in (15, 25, 35)]
+    runs = [
+        report.read_history(write_run(tmp_path / f"lr={lr}", lr, steps_per_epoch=True)) for lr in (1e-3, 4e-3, 1.6e-2)
+    ]
+    at = [runs[0].samples(step) for step in (10, 20, 30)]
     assert figures.overlay_epoch_boundaries(runs, by_samples=True) == at
-    assert figures.overlay_epoch_boundaries(runs, by_samples=False) == [15, 25, 35]
+    assert figures.overlay_epoch_boundaries(runs, by_samples=False) == [10, 20, 30]
+
+
+def test_a_throughput_spike_does_not_flatten_the_others(tmp_path: Path) -> None:
+    """One window at 100x the rate: the axis is scaled to the rest and the title counts the spike."""
+    runs = [
+        report.read_history(write_run(tmp_path / "a", 1e-3, spike_at=25)),
+        report.read_history(write_run(tmp_path / "b", 4e-3)),
+    ]
+    for fig in (figures.build_overlay(runs, ["a", "b"], "two"), figures.build_run(runs[0], "a")):
+        (rate,) = [ax for ax in fig.axes if ax.get_ylabel() == "samples/s"]
+        assert rate.get_ylim() == (0, pytest.approx(1.1 * 2000.0))
+        assert "1 spike(s) above the axis, up to 200,000" in rate.get_title()
+    (rate,) = [ax for ax in figures.build_run(runs[1], "b").axes if ax.get_ylabel() == "samples/s"]
+    assert rate.get_ylim()[1] > 2000.0 and "spike" not in rate.get_title()  # nothing to cut: matplotlib's own
 
 
 def run_report(*args: str, cwd: Path, path_dir: Path | None = None) -> subprocess.CompletedProcess:

@@ -531,3 +531,25 @@ def test_writer_killed_mid_save_leaves_previous_checkpoint(
     assert_resumed_from(resumed, 100)
     assert not temps(), "the killed writer's temporary file was not removed"
     assert_bit_identical(run_dir, references.final("mlp-1"))
+
+
+def test_resume_command_reuses_the_run_config_and_refuses_what_a_resume_cannot_take(launcher) -> None:
+    """``ddp-slurm resume RUN_DIR``: the run's own config.yaml with only the overrides given; a change that
+    would make it compute something else is the training's one-line refusal, which names the command."""
+    fast = ["model.name=mlp", "train.max_steps=2", "train.lr=1e-3", "run.name=mine"]
+    launcher.run(launcher.cmd_train(*fast), check=True)
+    ddp_slurm = [sys.executable, "-m", "ddp_slurm"]
+    again = launcher.run([*ddp_slurm, "resume", "runs/mine", "train.log_every_steps=1"])
+    assert again.returncode == 0 and "already finished at step 2" in again.stderr, again.stderr
+    other = launcher.run([*ddp_slurm, "resume", "runs/mine", "train.lr=0.5"])
+    assert other.returncode == 2, other.stderr
+    [line] = [x for x in other.stderr.splitlines() if "error" in x.lower() or "another config" in x]
+    assert "train.lr: 0.001 -> 0.5" in line and "`ddp-slurm resume runs/mine`" in line
+    assert "`--config runs/mine/config.yaml`" in line
+    plain = launcher.run(launcher.cmd_train("run.name=mine"))  # the defaults are another config: same refusal
+    assert plain.returncode == 2 and "ddp-slurm resume runs/mine" in plain.stderr
+    missing = launcher.run([sys.executable, "-m", "ddp_slurm.resume", "runs/nothing"])
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert "runs/nothing is not a run directory (no config.yaml in it)" in missing.stderr
+    bare = launcher.run([*ddp_slurm, "resume"])
+    assert bare.returncode == 2 and bare.stderr.count("\n") == 1 and "RUN_DIR" in bare.stderr, bare.stderr

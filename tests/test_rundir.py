@@ -41,7 +41,7 @@ def test_a_directory_without_checkpoints_takes_new_settings(tmp_path: Path, firs
     for override in (first, second):
         cfg = config.load(None, [*base, override])
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = rundir.RunLock(cfg.run_dir)
+        lock = rundir.RunLock(cfg.paths)
         try:
             assert rundir.prepare(cfg, lock, {}) is None
         finally:

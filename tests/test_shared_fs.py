@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from conftest import skip_or_fail
 from test_checkpoint import make_state
 
 from ddp_slurm import config, safefs
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.metrics import MetricsWriter
@@ -79,6 +81,28 @@ def test_a_checkpoint_whose_name_lies_about_its_step_is_neither_counted_nor_resu
     assert path.name == "step-20.pt" and found["step"] == 20
 
 
+def test_another_runs_valid_checkpoint_is_neither_counted_nor_pruned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A valid checkpoint of another run (another config, a higher step), copied in: resume refuses it, so
+    pruning must not count it either (with checkpoint.keep=2 it used to cost this run a real checkpoint)."""
+    state = make_state(step=0)
+    other = config.Config()
+    other.train.lr = 0.5
+    checkpoint.save(tmp_path, dict(state, step=999, config=other.to_dict()), keep=5)
+    cnn = dict(state, step=998, model=models.build("cnn").state_dict())  # another model, same config
+    checkpoint.save(tmp_path, cnn, keep=5)
+    with caplog.at_level(logging.WARNING):
+        for step in (10, 20, 30):
+            checkpoint.save(tmp_path, dict(state, step=step), keep=2)
+    assert names(tmp_path) == ["step-20.pt", "step-30.pt", "step-998.pt", "step-999.pt"]
+    assert "step-999.pt alone (not counted for checkpoint.keep): written by a run with another config" in caplog.text
+    assert "step-998.pt alone (not counted for checkpoint.keep): it holds another model" in caplog.text
+    cfg = config.Config()
+    accept = checkpoint.all_of(checkpoint.same_config(cfg), checkpoint.same_model(state["model"]))
+    assert checkpoint.latest(tmp_path, accept=accept)[1]["step"] == 30
+
+
 # --------------------------------------------------------------------------- 2. foreign checkpoints
 def test_checkpoint_of_another_config_falls_back_to_the_previous_valid_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -131,7 +155,7 @@ def test_files_and_directories_get_private_modes_whatever_the_umask(tmp_path: Pa
     checkpoint.save(cfg.run_dir, make_state(step=10), keep=2)
     config.dump(cfg, cfg.run_dir / "config.yaml")
     MetricsWriter(cfg.run_dir / "metrics.jsonl").close()
-    lock = RunLock(cfg.run_dir)
+    lock = RunLock(cfg.paths)
     lock.acquire()
     lock.release()
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
@@ -151,6 +175,28 @@ def test_shared_run_is_group_writable(tmp_path: Path, umask_002) -> None:
     with pytest.raises(checkpoint.CheckpointError, match="writable by the group.*run.shared=true"):
         checkpoint.latest(run_dir)
     assert checkpoint.latest(run_dir, shared=True)[1]["step"] == 10
+
+
+def test_shared_run_gets_team_modes_under_the_common_umask_022(tmp_path: Path) -> None:
+    """umask 022 (most login shells) strips the group's write bit: a team run's directories and files are
+    set 0770/0660 explicitly, or teammates could not resume it."""
+    old = os.umask(0o022)
+    try:
+        cfg = config.Config()
+        cfg.run.output_root, cfg.run.name, cfg.run.shared = str(tmp_path), "team", True
+        safefs.make_dir(cfg.run_dir, shared=True)
+        checkpoint.save(cfg.run_dir, make_state(step=10), keep=2, shared=True)
+        config.dump(cfg, cfg.run_dir / "config.yaml")
+        MetricsWriter(cfg.run_dir / "metrics.jsonl", shared=True).close()
+        lock = RunLock(cfg.paths)
+        lock.acquire()
+        lock.release()
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(cfg.run_dir) == 0o770 and mode(checkpoint.checkpoint_dir(cfg.run_dir)) == 0o770
+    for name in ("config.yaml", "metrics.jsonl", ".lock", "checkpoints/step-10.pt"):
+        assert mode(cfg.run_dir / name) == 0o660, name
 
 
 REFUSED = (safefs.UnsafePath, checkpoint.CheckpointError)
@@ -193,6 +239,18 @@ def test_checkpoint_owned_by_another_user_is_refused(tmp_path: Path) -> None:
         safefs.check_run_dir(tmp_path)
 
 
+def test_resuming_a_teammates_checkpoint_names_its_owner(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A team run resumes a checkpoint a teammate wrote (its group is one of ours): the log says whose."""
+    needs_root()
+    state = make_state(step=0)
+    theirs = checkpoint.save(tmp_path, dict(state, step=10), keep=5, shared=True)
+    os.chown(theirs, OTHER_UID, os.getegid())
+    with caplog.at_level(logging.WARNING):
+        path, _ = checkpoint.latest(tmp_path, shared=True)
+    assert path == theirs
+    assert re.search(rf"resuming from \S*step-10\.pt, written by \S+ \(uid {OTHER_UID}\), not by you", caplog.text)
+
+
 # --------------------------------------------------------------------------- 3. no write follows a link
 def test_planted_symlinks_are_never_written_through(tmp_path: Path) -> None:
     victim = tmp_path / "victim.txt"
@@ -201,7 +259,7 @@ def test_planted_symlinks_are_never_written_through(tmp_path: Path) -> None:
     safefs.make_dir(run_dir)
     (run_dir / ".lock").symlink_to(victim)
     with pytest.raises(safefs.UnsafePath, match="is a symlink"):
-        RunLock(run_dir).acquire()
+        RunLock(RunPaths(run_dir)).acquire()
     (run_dir / "metrics.jsonl").symlink_to(victim)
     with pytest.raises(safefs.UnsafePath, match="is a symlink"):
         MetricsWriter(run_dir / "metrics.jsonl")
@@ -224,7 +282,7 @@ def test_planted_fifo_or_foreign_file_is_refused_without_hanging(tmp_path: Path)
     (tmp_path / ".lock").write_text("")
     os.chown(tmp_path / ".lock", OTHER_UID, OTHER_UID)
     with pytest.raises(safefs.UnsafePath, match=f"belongs to uid {OTHER_UID}"):
-        RunLock(tmp_path).acquire()
+        RunLock(RunPaths(tmp_path)).acquire()
 
 
 def test_temporary_names_cannot_be_planted_in_advance(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A lost or stuck rank named before the backend's timeout (dist/stall.py), whatever the backend.
+"""A lost or stuck rank named before the backend's timeout (distributed/stall.py), whatever the backend.
 
 In-process: one Watchdog per pretend rank sharing one real store, as in test_faults.py. Real processes:
 three ranks joined over gloo with a 60 s timeout, one of them frozen (SIGSTOP) or stuck (its training
@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from conftest import REPO, base_env
 
-from ddp_slurm.dist import stall
-from ddp_slurm.dist.watchdog import Watchdog
+from ddp_slurm.distributed import stall
+from ddp_slurm.distributed.watchdog import Watchdog
 
 HOST = socket.gethostname()
 
@@ -138,15 +138,15 @@ RANK = textwrap.dedent("""
     import os, signal, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from ddp_slurm.dist import stall, watchdog
-    from ddp_slurm.dist.env import DistEnv
+    from ddp_slurm.distributed import stall, watchdog
+    from ddp_slurm.distributed.env import DistEnv
 
     mode, timeout = sys.argv[1], float(sys.argv[2])
     env = DistEnv.from_environ(os.environ)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{env.master_port}", rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=timeout))
-    with watchdog.watch(env, stall_s=3.0) as dog:
+    with watchdog.watch(env, after_beat=stall.checker(3.0)) as dog:
         for step in range(1, 1000):
             dog.progress(step)
             if env.rank == 2 and step == 20:

@@ -11,7 +11,8 @@ import torch
 
 from ddp_slurm import config
 from ddp_slurm.tasks.mnist import models
-from ddp_slurm.train import checkpoint, state, step
+from ddp_slurm.train import checkpoint, state
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 CPU = torch.device("cpu")
 
@@ -20,8 +21,8 @@ def _objects(seed: int = 0):
     torch.manual_seed(seed)
     model = models.build("mlp")
     cfg = config.Config()
-    optimizer = step.make_optimizer(cfg.train, model.parameters(), CPU)
-    scheduler = step.make_scheduler(cfg.train, optimizer, 100)
+    optimizer = make_optimizer(cfg.train, model.parameters(), CPU)
+    scheduler = make_scheduler(cfg.train, optimizer, 100)
     return cfg, model, optimizer, scheduler
 
 

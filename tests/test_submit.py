@@ -80,7 +80,22 @@ def test_dry_run_prints_the_sbatch_script_for_the_flags(launcher: Launcher) -> N
     assert flags["output"] == str(folder / "%j_0_log.out")
     srun = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(srun) == 1 and f"{sys.executable} -u -m submitit.core._submit {folder}" in srun[0]
+    assert " --kill-on-bad-exit=1 " in srun[0], srun[0]  # a failed rank ends the step: no rank holds the job
     assert not (launcher.cwd / "runs").exists(), "a dry run must not create the run directory"
+
+
+def test_dry_run_says_the_training_command_world_size_resources_and_config(launcher: Launcher) -> None:
+    """submitit's script shows only a pickle being run: the summary on stderr says what each rank trains."""
+    res = launcher.run(SUBMIT + ["--dry-run", "--nodes", "4", "--name", "four", "train.lr=1e-3"], check=True)
+    said = res.stderr
+    assert "# world size: 4 (4 node(s) x 1 rank(s) per node)" in said
+    assert "no GPU (slurm.gpus_per_node=0: a CPU job)" in said and "time 01:00:00" in said
+    root = launcher.cwd / "runs"
+    assert f'#   python -m ddp_slurm.train train.lr=1e-3 slurm.nodes=4 run.name="four" run.output_root="{root}"' in said
+    block = said.partition("# config (written to the run directory's config.yaml):\n")[2].partition("# the sbatch")[0]
+    shown = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))
+    assert shown["train"]["lr"] == 1e-3 and shown["slurm"]["nodes"] == 4 and shown["run"]["output_root"] == str(root)
+    assert res.stdout.startswith("#!/bin/bash\n") and "world size" not in res.stdout  # stdout: the script alone
 
 
 def test_dry_run_takes_defaults_from_the_config_and_flags_win(launcher: Launcher) -> None:
@@ -211,7 +226,10 @@ def test_local_sweep_makes_one_run_per_value_and_a_summary(launcher: Launcher) -
 
     summary = launcher.run(SUBMIT + ["--summary", str(root)], check=True).stdout
     rows = [line.split() for line in summary.splitlines()[2:]]
-    assert [r[:4] for r in rows] == [["lr=1e-3", "1e-3", "finished", "20"], ["lr=1e-2", "1e-2", "finished", "20"]]
+    assert sorted(r[:4] for r in rows) == [["lr=1e-2", "1e-2", "finished", "20"], ["lr=1e-3", "1e-3", "finished", "20"]]
     for r in rows:
         assert re.fullmatch(r"\d+\.\d\d%", r[4]), summary
+    assert "best first by test accuracy (higher is better)" in summary.splitlines()[0], summary
+    best = [float(r[5].rstrip("%")) for r in rows]
+    assert best == sorted(best, reverse=True), summary  # ranked: the best accuracy first
     assert summary in res.stdout  # --wait ends with the same table

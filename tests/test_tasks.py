@@ -83,6 +83,36 @@ def test_bad_task_through_submit_exits_2_before_submitting(tmp_path: Path, task:
     assert lines[0].startswith("python -m ddp_slurm.submit: error: task=") and not (tmp_path / "runs").exists()
 
 
+# A task file that runs something at import: a script without a `__main__` guard, or one that fails. Training
+# must not exit 0 (Slurm would record COMPLETED with nothing trained) nor print a traceback.
+IMPORT_TIME = {
+    "sys.exit(0)": ("import sys\nsys.exit(0)\n", "importing script_task.py called sys.exit(0)"),
+    "sys.exit(message)": ("raise SystemExit('usage: x')\n", "called sys.exit('usage: x')"),
+    "an exception": ("x = {}['missing']\n", "importing script_task.py raised KeyError: 'missing'"),
+    "in a package": (None, "importing 'pkg_task.tasks' ("),
+}
+
+
+@pytest.mark.parametrize("case", IMPORT_TIME, ids=list(IMPORT_TIME))
+def test_task_that_exits_or_raises_at_import_exits_2_naming_the_file(tmp_path: Path, case: str) -> None:
+    source, expected = IMPORT_TIME[case]
+    if source is None:  # a module found by import path: its file is named
+        (tmp_path / "pkg_task").mkdir()
+        (tmp_path / "pkg_task" / "tasks.py").write_text("import sys\nsys.exit(0)\n")
+        spec = "pkg_task.tasks:Line"
+    else:
+        (tmp_path / "script_task.py").write_text(source)
+        spec = "script_task.py:Line"
+    res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(f"task={spec}", "run.name=bad"), timeout=300)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert len(lines) == 1 and lines[0].startswith("ddp_slurm.train: error: task="), lines
+    assert expected in lines[0], lines[0]
+    if source is None:
+        assert str(tmp_path / "pkg_task" / "tasks.py") in lines[0], lines[0]
+    assert res.stdout == "" and not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- the minimal task, every entry point
 def assert_line_learned(run_dir: Path, world_size: int) -> dict[str, Any]:
     state = checkpoint.load_latest(run_dir)
@@ -213,6 +243,50 @@ def test_example_resumes_at_another_world_size(references: References, launches:
     assert state["finished"] and state["step"] == ADD_TOTAL and state["world_size"] == 1 and len(state["rng"]) == 1
     drift = max((t - reference["model"][k]).abs().max().item() for k, t in state["model"].items())
     assert 0 < drift < 0.5, drift
+
+
+# --------------------------------------------------------------------------- a task with state of its own
+COUNTING = """
+from line_task import Line
+
+
+class Counting(Line):
+    \"\"\"Line that counts its training steps (as a curriculum or an EMA would), checkpointed as its own state.\"\"\"
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.calls = 0
+
+    def training_step(self, model, batch):
+        self.calls += 1
+        return super().training_step(model, batch)
+
+    def state_dict(self):
+        return {**super().state_dict(), "calls": self.calls}
+
+    def load_state_dict(self, state):
+        super().load_state_dict({k: v for k, v in state.items() if k != "calls"})
+        self.calls = state["calls"]
+"""
+
+
+def test_task_state_is_exact_across_an_interrupt_at_two_ranks(launches: list[Launch], tmp_path: Path) -> None:
+    """training_step runs once per real step and never for DDP's warm-up: a task that counts its steps ends
+    a run stopped and resumed (2 ranks) with the count of one left alone, the number of steps."""
+    write_line_task(tmp_path)
+    (tmp_path / "counting.py").write_text(COUNTING)
+    run = ["task=counting.py:Counting", *LINE_RUN, f"run.name={RUN_NAME}"]
+    first = start(launches, tmp_path, 2, run)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("step 8", lambda r: r["kind"] == "train" and r["step"] >= 8)
+    first.signal(1, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    assert stop["step"] < 24
+    assert checkpoint.load_latest(first.run_dir)["task"]["calls"] == stop["step"]
+    second = run_to_end(launches, tmp_path, 2, run)
+    assert_resumed_from(second, stop["step"])
+    state = checkpoint.load_latest(second.run_dir)
+    assert state["finished"] and state["step"] == 24 and state["task"]["calls"] == 24, state["task"]
 
 
 # --------------------------------------------------------------------------- the example's data

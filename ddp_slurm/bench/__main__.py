@@ -11,22 +11,27 @@ from pathlib import Path
 
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
 from ddp_slurm.exitcodes import EXIT_USAGE, exit_now
+from ddp_slurm.text import plain
 
 # Benchmark modules import torch: only the chosen one is imported, so `--help` answers at once.
 COMMANDS = {
     "loader": "ddp_slurm's step vs the seed-style torchvision/DataLoader pipeline: samples/s and ratio",
     "limit": "the training step's fraction of this machine's measured matmul FLOP/s",
     "ddp": "weak scaling 1 -> 2 ranks on this machine: efficiency, compute vs communication",
-    "startup": "seconds to the first optimizer step of ddp_slurm.train vs `import torch`",
+    "startup": "seconds to the first optimizer step of ddp_slurm.train vs import torch alone",
     "tta": "seconds to a target test accuracy on the sample, over seeds",
     "forecast": "inside an allocation: all-reduce alpha-beta and step compute, step time at 1..1024 nodes",
     "checkpoint": "per-checkpoint training stall, synchronous vs asynchronous (checkpoint.async)",
+    "memory": "per-rank model-state bytes and peak memory, DDP vs FSDP2 (dist.strategy)",
+    "overhead": "the real training loop vs a bare PyTorch loop, same model, data and batch: ratio",
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m ddp_slurm.bench", description=PACKAGE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ddp_slurm.bench",
+        description=plain(PACKAGE_DOC),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
@@ -36,7 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             continue
         module = importlib.import_module(f"ddp_slurm.bench.{name}")
         p = sub.add_parser(
-            name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+            name,
+            help=help_text,
+            description=plain(module.__doc__),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to FILE")
         p.add_argument(

@@ -18,6 +18,11 @@ writes):
   step then supersedes that write: cancelled, and the stop step written); synchronous, as a save
   begins (it finishes, and is the stop step);
 - peak extra RSS of asynchronous saving (the host copy), sampled during the saves.
+
+``--device cuda --worlds 1``: the small model, its optimizer and the synthetic state live on the GPU;
+a synchronous save copies them to the host inside ``torch.save``, an asynchronous one queues their copy
+into pinned host memory (``ckpt_snapshot``) and the writer waits for it on events; "copy s" is then
+the time until that copy has landed (the step after a save would wait behind it on the stream anyway).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Any
 
 from ddp_slurm import safefs
 from ddp_slurm.bench import common
-from ddp_slurm.train import ckpt_seal
+from ddp_slurm.train.checkpoint import seal as ckpt_seal
 
 SYNC_STEPS_AFTER = 5  # steps between two measured saves, so each starts from a steady state
 
@@ -52,6 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dir", type=Path, default=None, help="where to write (default: a temporary folder in the working directory)"
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a worker is given up")
+    p.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="fsdp: sharded checkpoints of an FSDP2 model, async against sync (bench/checkpoint_fsdp.py)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model and state live; cuda: on the GPU, saved through pinned host memory, world size 1",
+    )
 
 
 # ---------------------------------------------------------------- the disk's own limit
@@ -91,13 +108,14 @@ def raw_write_s(folder: Path, nbytes: int, index: int, write_behind: bool = Fals
 def launch_measure(
     args: argparse.Namespace, world: int, threads: int, folder: Path, writer: str | None = None
 ) -> dict[str, Any]:
-    """Run the measuring worker at ``world`` ranks (``writer``: ckpt_async's default when None); rank 0's figures."""
+    """Run the measuring worker at ``world`` ranks (``writer``: checkpoint.writer's default when None); rank 0's figures."""
     tag = f"w{world}-{writer or 'default'}"
 
     def command(out: Path) -> list[str]:
         cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_measure", "--out", str(out)]
         cmd += ["--run-dir", str(folder / tag), "--state-mb", str(args.state_mb), "--rounds", str(args.rounds)]
-        return cmd + ["--width", str(args.width), "--batch", str(args.batch)] + (["--writer", writer] if writer else [])
+        cmd += ["--width", str(args.width), "--batch", str(args.batch), "--device", args.device]
+        return cmd + (["--writer", writer] if writer else [])
 
     outs = common.run_local_ranks("checkpoint", world, threads, folder, tag, args.timeout, command)
     shutil.rmtree(folder / tag, ignore_errors=True)
@@ -110,7 +128,7 @@ def signal_to_durable(args: argparse.Namespace, threads: int, folder: Path, mode
     run_dir = folder / f"signal-{mode}"
     cmd = [sys.executable, "-m", "ddp_slurm.bench.ckpt_worker", "--run-dir", str(run_dir), "--mode", mode]
     cmd += ["--state-mb", str(args.state_mb), "--steps", "100000", "--every", "20"]
-    cmd += ["--width", str(args.width), "--batch", str(args.batch)]
+    cmd += ["--width", str(args.width), "--batch", str(args.batch), "--device", args.device]
     proc = subprocess.Popen(cmd, env=common.child_env(OMP_NUM_THREADS=str(threads)), stdout=subprocess.PIPE, text=True)
     events: list[dict[str, Any]] = []
     timer = threading.Timer(args.timeout, proc.kill)
@@ -152,15 +170,26 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
         raise common.BenchError(f"--worlds {args.worlds!r}: expected world sizes like 1,2") from None
     if not worlds or worlds[0] < 1:
         raise common.BenchError(f"--worlds {args.worlds!r}: expected world sizes >= 1, e.g. 1,2")
+    if args.device == "cuda":
+        if args.strategy == "fsdp":
+            raise common.BenchError("--strategy fsdp measures on CPU ranks (gloo): leave out --device cuda")
+        common.resolve_device("cuda")  # BenchError without a GPU
+        if worlds != [1]:
+            raise common.BenchError(f"--device cuda measures world size 1 (one GPU): add --worlds 1, not {args.worlds}")
+    if args.strategy == "fsdp":
+        from ddp_slurm.bench import checkpoint_fsdp
+
+        return checkpoint_fsdp.measure(args, threads, worlds)
     base = args.dir or Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=base))
     try:
         by_world = {str(w): launch_measure(args, w, threads, folder) for w in worlds}
         other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
-        # the other writer at the first world size, for the choice between them (ckpt_async's docstring)
+        # the other writer at the first world size, for the choice between them (checkpoint/writer.py's docstring)
         writers = {by_world[str(worlds[0])]["writer"]: by_world[str(worlds[0])]}
-        writers[other] = launch_measure(args, worlds[0], threads, folder, other)
+        if args.device == "cpu":  # the process writer forks: a process holding CUDA state is not one to fork
+            writers[other] = launch_measure(args, worlds[0], threads, folder, other)
         signals = {mode: signal_to_durable(args, threads, folder, mode) for mode in ("sync", "async")}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -168,7 +197,7 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     raw_s, behind_s = first["raw_write_s"]["median"], first["raw_write_behind_s"]["median"]
     mib = first["file_bytes"] / 2**20
     payload = common.header(
-        "checkpoint", "cpu", threads, state_mb=args.state_mb, rounds=args.rounds, worlds=worlds, width=args.width
+        "checkpoint", args.device, threads, state_mb=args.state_mb, rounds=args.rounds, worlds=worlds, width=args.width
     )
     payload.update(
         {
@@ -193,6 +222,10 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
 
 
 def render(p: dict[str, Any]) -> str:
+    if p.get("strategy") == "fsdp":
+        from ddp_slurm.bench import checkpoint_fsdp
+
+        return checkpoint_fsdp.render(p)
     rows = []
     runs = [(f"world size {w}, {r['writer']}", r) for w, r in p["worlds"].items()]
     runs += [
@@ -226,7 +259,7 @@ def render(p: dict[str, Any]) -> str:
         f"stall_ratio (world size 1) = {p['stall_ratio']:.3f}",
     ]
     return common.table(
-        f"checkpoint stall, {p['params']['state_mb']:g} MiB of state, in {p['directory']}",
+        f"checkpoint stall, {p['params']['state_mb']:g} MiB of state on {p['device']}, in {p['directory']}",
         ["", "step ms", "sync stall s", "async stall s", "copy s", "ratio", "step slowdown", "extra RSS MiB"],
         rows,
         notes,

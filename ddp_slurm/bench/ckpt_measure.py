@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ddp_slurm.bench import common
@@ -27,7 +28,7 @@ from ddp_slurm.bench.checkpoint import KEEP, raw_write_s
 from ddp_slurm.bench.ckpt_worker import Trainer, exchange, set_threads
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train.ckpt_async import AsyncCheckpointer
+from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
 
 WARMUP, BASELINE, SETTLE = 10, 30, 5
 
@@ -79,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--writer", choices=("process", "thread"), default=None, help="default: ckpt_async's")
+    p.add_argument("--writer", choices=("process", "thread"), default=None, help="default: checkpoint.writer's")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     set_threads()
     if world > 1:
         dist.init_process_group("gloo")
-    tr = Trainer(args.width, args.batch, args.state_mb, 0, world)
+    tr = Trainer(args.width, args.batch, args.state_mb, 0, world, args.device)
 
     def step(done: bool = False) -> bool:
         tr.train_step(rank)
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if rank == 0:
             ckpt.save(tr.state())
+        if args.device == "cuda":  # the copy to pinned host memory is queued: its time is when it has landed
+            torch.cuda.synchronize()  # (the next step would wait behind it on the stream all the same)
         t1 = time.perf_counter()
         n = 0
         while not step(rank == 0 and ckpt.poll() is not None):  # until rank 0's write is durable

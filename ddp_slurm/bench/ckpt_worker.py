@@ -34,7 +34,7 @@ from torch import nn
 
 from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, exit_now
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train.ckpt_async import AsyncCheckpointer
+from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
 from ddp_slurm.train.signals import StopFlag
 
 TENSOR_MB = 16  # the synthetic state comes in tensors of this size, as a big model's layers do
@@ -65,20 +65,26 @@ def synthetic_state(mib: float, seed: int) -> dict[str, dict[str, torch.Tensor]]
 class Trainer:
     """The small model, its optimizer and the big synthetic state; ``state()`` and ``load()`` for checkpoints."""
 
-    def __init__(self, width: int, batch: int, state_mb: float, seed: int, world: int) -> None:
+    def __init__(self, width: int, batch: int, state_mb: float, seed: int, world: int, device: str = "cpu") -> None:
+        """``device`` "cuda": the model, its optimizer and the big state live on the GPU (one rank), so
+        a save copies them into pinned host memory, as ``ddp_slurm.train`` does on a GPU."""
         torch.manual_seed(seed)
+        self.device = torch.device(device)
         self.model = nn.Sequential(
             nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
-        )
+        ).to(self.device)
         self.net = nn.parallel.DistributedDataParallel(self.model) if world > 1 else self.model
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
-        self.big = synthetic_state(state_mb, seed)
+        self.big = {
+            name: {k: t.to(self.device) for k, t in part.items()}
+            for name, part in synthetic_state(state_mb, seed).items()
+        }
         self.width, self.batch, self.seed, self.step = width, batch, seed, 0
 
     def train_step(self, rank: int) -> None:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step * 101 + rank)
-        x = torch.randn(self.batch, self.width, generator=g)
-        y = torch.randint(0, 10, (self.batch,), generator=g)
+        x = torch.randn(self.batch, self.width, generator=g).to(self.device)
+        y = torch.randint(0, 10, (self.batch,), generator=g).to(self.device)
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -87,6 +93,8 @@ class Trainer:
         for part in self.big.values():  # the big state changes as an optimizer's does: all of it, in turns
             if part:
                 part[f"layer{self.step % len(part)}"].add_(1.0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a step's time is its device work (the timings are the host's)
 
     def state(self, finished: bool = False) -> dict[str, Any]:
         return {
@@ -116,11 +124,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--mode", choices=("async", "sync"), default="async")
-    p.add_argument("--writer", choices=("process", "thread"), default=None, help="async writer (default: ckpt_async's)")
+    p.add_argument("--writer", choices=("process", "thread"), default=None, help="async writer (default: writer.py's)")
     p.add_argument("--width", type=int, default=64, help="the small model's width (sets the step time)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (slow steps)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives (cuda: one rank)")
     return p.parse_args(argv)
 
 
@@ -134,7 +143,7 @@ def exchange(flags: list[float], world: int) -> list[bool]:
 
 def run(args: argparse.Namespace, stop: StopFlag) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    tr = Trainer(args.width, args.batch, args.state_mb, args.seed, world)
+    tr = Trainer(args.width, args.batch, args.state_mb, args.seed, world, args.device)
     if rank == 0:
         checkpoint.remove_stale_temporaries(args.run_dir)  # left by a writer killed mid-save, as the loop does
     if world > 1:

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from ddp_slurm import text
+from ddp_slurm.distributed.env import RENDEZVOUS_VARS, TORCHRUN_LAYOUT_VARS
+from ddp_slurm.train.ddp import wrap_ddp
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 
 class BenchError(RuntimeError):
@@ -75,7 +78,7 @@ def resolve_device(name: str) -> torch.device:
 def set_threads(requested: int | None) -> int:
     """Intra-op threads: ``requested``, else what ``ddp_slurm.train`` would use for one process; and
     malloc kept from returning freed memory to the OS, as ``ddp_slurm.train`` does (see hostmem)."""
-    from ddp_slurm.dist import hostmem
+    from ddp_slurm.distributed import hostmem
 
     hostmem.keep_freed_memory(os.environ)
     if requested is not None:
@@ -181,17 +184,7 @@ def child_env(**extra: str) -> dict[str, str]:
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_"))
-        and k
-        not in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE",
-            "GROUP_RANK",
-            "GROUP_WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-        )
+        and k not in (*TORCHRUN_LAYOUT_VARS, *RENDEZVOUS_VARS)
     }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -214,9 +207,9 @@ def mnist_trainer(model_name: str, global_batch: int, rank: int, world: int, dev
     batches = loader.InMemory(task.train_data(), device, cfg.run.seed, global_batch, rank, world)
     torch.manual_seed(cfg.run.seed)
     model = task.build_model().to(device)
-    optimizer = step.make_optimizer(cfg.train, model.parameters(), device)
-    scheduler = step.make_scheduler(cfg.train, optimizer, 10**9)  # its length does not change the cost
-    net = step.wrap_ddp(model, device, world, warmup=lambda m: task.training_step(m, batches.first_batch()))
+    optimizer = make_optimizer(cfg.train, model.parameters(), device)
+    scheduler = make_scheduler(cfg.train, optimizer, 10**9)  # its length does not change the cost
+    net = wrap_ddp(model, device, world, settle=True)
     train_step = step.make_step(net, optimizer, scheduler, task.training_step, device, cfg.train.precision)
     # The same step on the module inside DDP: DDP's hooks stay idle when its forward is bypassed.
     bare = step.make_step(model, optimizer, scheduler, task.training_step, device, cfg.train.precision)
@@ -238,7 +231,7 @@ def run_local_ranks(
     fails or outlives ``timeout`` is BenchError naming it and the last lines of its log."""
     import subprocess
 
-    from ddp_slurm.dist.env import free_port
+    from ddp_slurm.distributed.env import free_port
 
     port, procs, outs = free_port(), [], []
     for rank in range(world):

@@ -1,8 +1,8 @@
 """``bench ddp``: weak scaling on one machine, 1 rank against 2 ranks with the same per-rank batch.
 
 Each rank is a real process joined through ``ddp_slurm.bootstrap`` (gloo on CPU; nccl where there are
-two GPUs) and trains with what ``ddp_slurm.train`` uses: ``step.wrap_ddp``, ``step.make_step`` (the MNIST
-task's loss) and the loop's per-step ``step.StopVote``. Every rank gets the same number of threads, half the machine's
+two GPUs) and trains with what ``ddp_slurm.train`` uses: ``ddp.wrap_ddp``, ``step.make_step`` (the MNIST
+task's loss) and the loop's per-step ``vote.StopVote``. Every rank gets the same number of threads, half the machine's
 CPUs: one rank with all of them would compare two cores against two times one core and measure how
 well one process uses two cores, not what DDP costs.
 
@@ -37,8 +37,8 @@ from ddp_slurm import bootstrap
 from ddp_slurm.bench import common
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.tasks.mnist import models
-from ddp_slurm.train import step as engine
 from ddp_slurm.train.signals import StopFlag
+from ddp_slurm.train.vote import StopVote
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,12 +186,12 @@ def worker(argv: list[str]) -> int:
             device = torch.device("cpu")  # a GPU machine benchmarking its CPUs
         B, ws = args.batch, env.world_size
         model, _, step, bare, batches = common.mnist_trainer(args.model, B * ws, env.rank, ws, device)
-        votes = engine.StopVote(StopFlag(), ws, device)  # no handlers: nobody signals a benchmark
+        votes = StopVote(StopFlag(), ws, device)  # no handlers: nobody signals a benchmark
         if env.rank == 0:  # the 1-rank run: its own model, no DDP, as ddp_slurm.train trains one process
             _, _, solo, _, solo_batches = common.mnist_trainer(args.model, B, 0, 1, device)
-            solo_votes = engine.StopVote(StopFlag(), 1, device)
+            solo_votes = StopVote(StopFlag(), 1, device)
 
-        def run(fn, source: Iterator[Any], vote: engine.StopVote | None, n: int) -> None:
+        def run(fn, source: Iterator[Any], vote: StopVote | None, n: int) -> None:
             for i in range(n):
                 loss = fn(next(source))
                 if vote is not None:

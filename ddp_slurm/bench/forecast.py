@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ddp_slurm.bench import common
+from ddp_slurm.train.ddp import bucket_cap_mb
 
 DDP_FIRST_BUCKET = 1 << 20  # DDP's first bucket, then 25 MiB ones (torch's defaults)
 DDP_BUCKET = 25 << 20
@@ -126,7 +127,6 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
     from ddp_slurm import bootstrap
     from ddp_slurm.bench import common
     from ddp_slurm.tasks.mnist import data
-    from ddp_slurm.train import step
 
     env = bootstrap.DistEnv.from_environ(os.environ)
     ws = env.world_size
@@ -167,7 +167,7 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
             "forward_s": _slowest(statistics.median(fwd), ws),
             "measured_step_s": _slowest(statistics.median(measured), ws) if ws > 1 else None,
             "grad_bytes": grad_bytes,
-            "buckets": buckets(grad_bytes, step.bucket_cap_mb(model)),
+            "buckets": buckets(grad_bytes, bucket_cap_mb(model)),
             "allreduce": [{"bytes": s, "s": t} for s, t in zip(sizes, allreduce)],
         }
         if ws > 1:

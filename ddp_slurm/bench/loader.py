@@ -10,7 +10,7 @@ processes, per-sample seeding for exact resume, pinned memory and prefetch) over
 of the same uint8 images, feeding the same step: what a task whose data does not fit in memory pays.
 
 Same model architecture and initial weights, same optimizer (Adam, same learning rate: the seed with
-torch's default settings, ddp_slurm with ``engine.make_optimizer``), same batch size, same number of
+torch's default settings, ddp_slurm with ``optim.make_optimizer``), same batch size, same number of
 samples per round; rounds alternate A B A B after a warm-up of both, so a change in the machine's load
 hits both alike (A B C with ``--dataset-path``).
 """
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ddp_slurm import config
 from ddp_slurm.bench import common
 from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -170,8 +171,8 @@ class DatasetPipeline:
         )
         torch.manual_seed(cfg.run.seed)
         model = task.build_model().to(device)
-        optimizer = step.make_optimizer(cfg.train, model.parameters(), device)
-        scheduler = step.make_scheduler(cfg.train, optimizer, 10**9)
+        optimizer = make_optimizer(cfg.train, model.parameters(), device)
+        scheduler = make_scheduler(cfg.train, optimizer, 10**9)
         self.step = step.make_step(model, optimizer, scheduler, task.training_step, device, cfg.train.precision)
         self.epoch, self.iterator = 0, self.batches.epoch(0, 0)
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ddp_slurm.bench import common
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import metrics
 
 
@@ -66,7 +67,7 @@ def one_run(seed: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         f"run.name={name}",
         f"run.output_root={tmp}",
     ]
-    path = tmp / name / "metrics.jsonl"
+    path = RunPaths(tmp / name).metrics
     log = tmp / f"{name}.log"
     env = common.child_env(**({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     start = time.monotonic()

@@ -22,25 +22,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ddp_slurm import safefs
+from ddp_slurm.distributed.slurm import ENDED_STATES
 from ddp_slurm.exitcodes import EXIT_STOPPED
 from ddp_slurm.launch.sweep import summarize
+from ddp_slurm.tools import tracked
 
 log = logging.getLogger(__name__)
-
-# Job states after which Slurm will not run the job again (a requeued job goes back to PENDING).
-_ENDED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "SPECIAL_EXIT",
-    "REVOKED",
-}
 
 
 @dataclass
@@ -121,7 +108,7 @@ def is_active(job: Any, cluster: str, seen_ended: dict[str, int]) -> bool:
     if cluster != "slurm":
         return not job.done()
     state = slurm_state(job.job_id)
-    if state is not None and state not in _ENDED:
+    if state is not None and state not in ENDED_STATES:
         seen_ended.pop(job.job_id, None)
         return True
     seen_ended[job.job_id] = seen_ended.get(job.job_id, 0) + 1
@@ -136,7 +123,7 @@ def settle(job: Any, cluster: str, timeout_s: float = 60.0) -> None:
         if cluster != "slurm":
             if job.done():
                 return
-        elif (state := slurm_state(job.job_id)) is None or state in _ENDED:
+        elif (state := slurm_state(job.job_id)) is None or state in ENDED_STATES:
             return
         time.sleep(0.5)
 
@@ -174,11 +161,9 @@ def wait_for(
 
 def finished_message(result: dict[str, Any]) -> str:
     """One line from rank 0's result (``TrainJob``'s return value)."""
-    acc = result.get("final_accuracy")
-    return (
-        f"finished: {result['step']} steps, final test accuracy {'n/a' if acc is None else f'{100 * acc:.2f}%'}; "
-        f"run directory {result['run_dir']}"
-    )
+    name, final = result.get("metric"), result.get("final")
+    shown = f", final test {name} {'n/a' if final is None else tracked.show(name, final)}" if name else ""
+    return f"finished: {result['step']} steps{shown}; run directory {result['run_dir']}"
 
 
 STOPPED_MESSAGE = (

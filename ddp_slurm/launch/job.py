@@ -1,6 +1,6 @@
 """The callable that ``python -m ddp_slurm.submit`` hands to submitit: one rank of the training run.
 
-Every task of the submitit job runs :class:`TrainJob`, which calls ``ddp_slurm.train.entry.main`` with
+Every task of the submitit job runs :class:`TrainJob`, which calls ``ddp_slurm.train.cli.run`` with
 the same ``--config`` and overrides as ``python -m ddp_slurm.train`` would get. The pickle holds
 only those arguments: training state lives in the run directory, so a requeued job (same pickle)
 resumes from the latest checkpoint.
@@ -28,21 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_slurm import safefs
+from ddp_slurm.distributed.env import TORCHRUN_LAYOUT_VARS
 from ddp_slurm.exitcodes import EXIT_STOPPED, exit_now
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
 _MEANING = {1: "failure", 2: "usage or config error", 3: "requeue cap reached (slurm.max_requeues)"}
 # Layout variables a submitting shell may export (after a torchrun session) that must not reach a Slurm task.
-_SUBMITTER_LAYOUT = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "TORCHELASTIC_RESTART_COUNT",
-)
+_SUBMITTER_LAYOUT = (*TORCHRUN_LAYOUT_VARS, "MASTER_ADDR")
 
 
 def _leave_before_finalizing(outcome: dict[str, int]) -> None:
@@ -133,7 +125,7 @@ class TrainJob:
 
     def _run(self, job_env: Any, stop: StopFlag) -> dict[str, Any]:
         from ddp_slurm.launch.sweep import summarize
-        from ddp_slurm.train import entry
+        from ddp_slurm.train import cli
 
         rank = job_env.global_rank
         if job_env.cluster == "local":
@@ -153,7 +145,7 @@ class TrainJob:
         errors = _LastError()
         logging.getLogger("ddp_slurm").addHandler(errors)
         try:
-            code = entry.main(self.argv, stop=stop)
+            code = cli.run(self.argv, stop=stop)
         finally:
             logging.getLogger("ddp_slurm").removeHandler(errors)
         if code == 0:

@@ -20,12 +20,24 @@ from typing import Any
 
 from ddp_slurm import config, slurm_time
 from ddp_slurm.config import Config
-from ddp_slurm.dist.env import free_port
+from ddp_slurm.distributed import badnodes
+from ddp_slurm.distributed.env import free_port
+from ddp_slurm.errors import UsageError  # bad options: one line, exit 2, nothing submitted
 from ddp_slurm.launch import sweep
 from ddp_slurm.launch.job import TrainJob
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import runname
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+def script_safe(what: str, text: str, fix: str) -> str:
+    """``text`` unchanged, or UsageError: the one check of every string submit writes into the job script
+    (the run directory, the config file, ``--sbatch`` and ``--setup``). A newline there would end an
+    ``#SBATCH`` line early: the rest becomes a shell command and sbatch ignores every later ``#SBATCH`` line
+    (the stop signal, ``--requeue``, ``--time``); other control characters are never meant either."""
+    if config.CONTROL.search(text):
+        raise UsageError(f"{what} {text!r} holds control characters (a newline, tab, escape, ...): {fix}")
+    return text
+
 
 # Options that are config keys: flag attribute -> dotted key.
 FLAG_KEYS = {
@@ -46,12 +58,8 @@ FLAG_KEYS = {
 }
 
 
-class UsageError(Exception):
-    """Bad options: one line, exit 2, nothing submitted."""
-
-
 @dataclass
-class Run:
+class PlannedRun:
     """One run to submit: its directory and the arguments of ``ddp_slurm.train`` that train it."""
 
     name: str
@@ -64,7 +72,7 @@ class Run:
 class Plan:
     cfg: Config
     tasks_per_node: int
-    runs: list[Run]
+    runs: list[PlannedRun]
     root: Path  # the run directory, or the sweep's directory
     sweep: bool
     sbatch: dict[str, Any] = field(default_factory=dict)  # --sbatch KEY=VALUE: more sbatch options
@@ -72,7 +80,7 @@ class Plan:
 
     @property
     def folder(self) -> Path:
-        return self.root / "submitit" / "%j"
+        return RunPaths(self.root).submitit / "%j"
 
 
 def _quoted(key: str, value: Any) -> str:
@@ -102,11 +110,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     root = Path(os.path.abspath(os.path.expanduser(cfg.run.output_root))) / cfg.run.name
     # The run directory (from the working directory too) becomes #SBATCH lines and file names.
     for what, text in (("the run directory", str(root)), ("the config file", str(cfg_path or ""))):
-        if _CONTROL.search(text):
-            raise UsageError(f"{what} {text!r} holds control characters: run from a directory without them")
+        script_safe(what, text, "run from a directory without them")
+    for line in getattr(args, "setup", None) or []:
+        script_safe("--setup", line, "give each shell line as its own --setup")
     head = ["--config", str(cfg_path)] if cfg_path else []
     if args.sweep:
-        if (root / "config.yaml").exists():
+        if RunPaths(root).config.exists():
             raise UsageError(f"{root} is a run directory, not a sweep: choose another --name for the sweep")
         points = sweep.points(args.sweep)
         for key in (o.partition("=")[0] for o in points[0].overrides):
@@ -116,7 +125,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                     "and each gets its own run.name"
                 )
         runs = [
-            Run(
+            PlannedRun(
                 p.name,
                 root / p.name,
                 head + base + list(p.overrides) + [_quoted("run.output_root", str(root)), _quoted("run.name", p.name)],
@@ -125,18 +134,19 @@ def make_plan(args: argparse.Namespace) -> Plan:
             for p in points
         ]
     else:
-        runs = [Run(cfg.run.name, root, head + base + [_quoted("run.output_root", str(root.parent))])]
+        runs = [PlannedRun(cfg.run.name, root, head + base + [_quoted("run.output_root", str(root.parent))])]
     world = cfg.slurm.nodes * tasks
     for run in runs:
         run_cfg = config.load(cfg_path, run.argv[len(head) :])
         config.check_world_size(run_cfg, world, f" ({cfg.slurm.nodes} node(s) x {tasks} task(s))")
-        saved = run.run_dir / "config.yaml"
+        saved = RunPaths(run.run_dir).config
         if saved.exists():
             diffs = config.incompatible_changes(config.read_resolved(saved), run_cfg)
             if diffs:
                 raise UsageError(
                     f"run directory {run.run_dir} holds a run with another config ({'; '.join(diffs)}): "
-                    "submit with the same settings to resume it, or choose another --name"
+                    f"submit with the same settings to resume it (`--config {saved}` reuses them), "
+                    "or choose another --name"
                 )
     limit_min = slurm_time.minutes(cfg.slurm.time)
     if limit_min is None:
@@ -183,6 +193,7 @@ def parse_sbatch_options(items: list[str]) -> dict[str, Any]:
     ``additional_parameters`` (underscored keys; a bare ``KEY`` is a flag). Raises UsageError."""
     out: dict[str, Any] = {}
     for item in items:
+        script_safe("--sbatch", item, "give each sbatch option as its own --sbatch KEY=VALUE, on one line")
         key, sep, value = item.strip().lstrip("-").partition("=")
         name = key.strip().replace("-", "_")
         if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
@@ -193,6 +204,11 @@ def parse_sbatch_options(items: list[str]) -> dict[str, Any]:
             raise UsageError(f"--sbatch {item!r}: no value after '='; write {key}=VALUE, or {key} for a flag")
         out[name] = value if sep else True
     return out
+
+
+# A rank that fails ends the step at once (as in sbatch/*.sh): the others would otherwise hold the allocation
+# in a collective or a rendezvous until a timeout, or until the job's time limit.
+SRUN_ARGS = ["--kill-on-bad-exit=1"]
 
 
 def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -210,6 +226,9 @@ def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     # The signal is named explicitly (submitit would write its own USR_SIG); requeue is what lets
     # `scontrol requeue` and a preempting Slurm put the job back in the queue.
     extra = {**plan.sbatch, "signal": f"{s.signal}@{s.signal_delay_s}", "requeue" if s.requeue else "no_requeue": True}
+    lost = [] if plan.sweep else badnodes.excluded(plan.runs[0].run_dir)
+    if lost:  # nodes this run lost a rank on (distributed/badnodes.py): a resubmission does not ask for them again
+        extra["exclude"] = ",".join(filter(None, [str(plan.sbatch.get("exclude") or ""), *lost]))
     specific = {
         "partition": s.partition,
         "account": s.account,
@@ -220,6 +239,7 @@ def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
         "exclusive": True if s.exclusive else None,
         "setup": plan.setup or None,
         "signal_delay_s": s.signal_delay_s,
+        "srun_args": SRUN_ARGS,
         "additional_parameters": extra,
     }
     drop = lambda d: {k: v for k, v in d.items() if v is not None}  # noqa: E731

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from ddp_slurm import safefs, slurm_time
 from ddp_slurm.config import ConfigError
 from ddp_slurm.exitcodes import EXIT_USAGE
-from ddp_slurm.launch import sweep
+from ddp_slurm.launch import preview, sweep
 from ddp_slurm.launch.follow import STOPPED_MESSAGE, LogTail, Outcome, finished_message, outcome, report, wait_for
 from ddp_slurm.launch.job import EXIT_STOPPED, TrainingFailed
 from ddp_slurm.launch.plan import Plan, UsageError, make_plan, sbatch_script, submit
@@ -116,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="slurm",
         help="slurm (default), local: N processes on this machine, debug: in this process",
     )
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch script, submit nothing")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would run (command, world size, resources, config) and the sbatch script; submit nothing",
+    )
     p.add_argument("--wait", action="store_true", help="follow the job, stream rank 0's log, exit with its status")
     p.add_argument(
         "--sweep",
@@ -203,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     # One stop signal everywhere: submitit reads it from here (at import) for its script and handlers.
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = plan.cfg.slurm.signal
     if args.dry_run:
-        print(sbatch_script(plan), end="")
+        preview.print_dry_run(plan, sbatch_script(plan))
         return 0
+    if args.cluster == "slurm":
+        warning = preview.gpu_warning(plan)  # a CPU job on GPU nodes is said once, before it queues
+        if warning:
+            print(f"{PROG}: {warning}", file=sys.stderr)
     # submitit's folders and result files: not writable by the group, so that --wait may unpickle them.
     safefs.tighten_umask(plan.cfg.run.shared)
     new = next((d for d in reversed([plan.root, *plan.root.parents]) if not d.exists()), None)

@@ -21,6 +21,8 @@ from typing import Any
 
 from ddp_slurm import text
 from ddp_slurm.config import ConfigError
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.tools import tracked
 from ddp_slurm.train import metrics
 
 SWEEP_FILE = "sweep.json"
@@ -93,8 +95,10 @@ class RunSummary:
     status: str  # "pending" (nothing written yet), "running", "stopped", "finished"
     step: int = 0
     epoch: int = 0
-    final_accuracy: float | None = None  # the last evaluation
-    best_accuracy: float | None = None
+    metric: str | None = None  # the task's best_metric, from the start lines
+    higher_is_better: bool = True
+    final: float | None = None  # the metric at the last evaluation
+    best: float | None = None  # its best value, in its direction
     restarts: int = 0  # launches after the first (requeues and relaunches)
     time_s: float = 0.0
 
@@ -103,46 +107,57 @@ class RunSummary:
 
 
 def summarize(run_dir: Path, name: str | None = None) -> RunSummary:
-    """Read ``run_dir/metrics.jsonl``: status, last step, last and best test accuracy, launches."""
+    """Read ``run_dir/metrics.jsonl``: status, last step, the tracked metric's last and best value, launches."""
     run_dir = Path(run_dir)
     out = RunSummary(name or run_dir.name, str(run_dir), "pending")
-    path = run_dir / "metrics.jsonl"
+    path = RunPaths(run_dir).metrics
     if not path.exists():
         return out
-    starts = 0
+    starts: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
     for row in metrics.read(path):
         kind = row.get("kind")
         out.step, out.epoch, out.time_s = row.get("step", out.step), row.get("epoch", out.epoch), row.get("time_s", 0.0)
         if kind == "start":
-            starts += 1
+            starts.append(row)
             out.status = "running"
-        elif kind == "eval" and "accuracy" in row:  # tasks without an accuracy metric have none to show
-            out.final_accuracy = row["accuracy"]
-            out.best_accuracy = max(out.best_accuracy or 0.0, row["accuracy"])
+        elif kind == "eval":
+            evals.append(row)
         elif kind == "stop":
             out.status = "stopped"
         elif kind == "end":
             out.status = "finished"
-    out.restarts = max(0, starts - 1)
+    out.restarts = max(0, len(starts) - 1)
+    metric = tracked.from_rows(starts, evals)
+    out.metric, out.higher_is_better = metric.name, metric.higher_is_better
+    scored = [r for r in evals if metric.name and tracked.is_number(r.get(metric.name))]
+    if scored and metric.name:
+        out.final = scored[-1][metric.name]
+        out.best = (metric.best(scored) or {}).get(metric.name)
     return out
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
+def ranked(rows: list[RunSummary]) -> list[int]:
+    """The rows' indices, best run first in its metric's direction (runs without a value last, in order)."""
+    return sorted(
+        range(len(rows)), key=lambda i: tracked.Tracked(rows[i].metric, rows[i].higher_is_better).sort_key(rows[i].best)
+    )
 
 
 def format_table(rows: list[RunSummary], columns: dict[str, list[str]] | None = None) -> str:
     """Runs side by side; ``columns`` adds one column per swept key (header -> value per row)."""
     columns = columns or {}
-    header = ["run", *columns, "status", "steps", "final acc", "best acc", "restarts", "time"]
+    names = {r.metric for r in rows if r.metric}
+    what = f" {names.pop()}" if len(names) == 1 else ""
+    header = ["run", *columns, "status", "steps", f"final{what}", f"best{what}", "restarts", "time"]
     body = [
         [
             r.name,
             *(vals[i] for vals in columns.values()),
             r.status,
             str(r.step),
-            _pct(r.final_accuracy),
-            _pct(r.best_accuracy),
+            tracked.show(r.metric or "", r.final) + ("" if what or r.metric is None else f" {r.metric}"),
+            tracked.show(r.metric or "", r.best) + ("" if what or r.metric is None else f" {r.metric}"),
             str(r.restarts),
             f"{r.time_s:.0f}s",
         ]
@@ -161,8 +176,15 @@ def summary_text(path: Path) -> str:
         keys = [o.partition("=")[0] for o in runs[0]["overrides"]] if runs else []
         columns = {k: [r["overrides"][i].partition("=")[2] for r in runs] for i, k in enumerate(keys)}
         rows = [summarize(path / r["name"], r["name"]) for r in runs]
+        order = ranked(rows)
+        rows = [rows[i] for i in order]
+        columns = {k: [vals[i] for i in order] for k, vals in columns.items()}
         head = f"sweep {path} (job {data['job_id']}, {len(rows)} runs)"
+        metric = next((r for r in rows if r.metric), None)
+        if metric is not None:
+            way = "lower" if not metric.higher_is_better else "higher"
+            head += f", best first by test {metric.metric} ({way} is better)"
         return head + "\n" + format_table(rows, columns)
-    if (path / "config.yaml").is_file() or (path / "metrics.jsonl").is_file():
+    if RunPaths(path).is_run():
         return format_table([summarize(path)])
     raise ConfigError(f"{path} is neither a sweep directory (no {SWEEP_FILE}) nor a run directory (no config.yaml)")

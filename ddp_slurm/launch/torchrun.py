@@ -36,11 +36,13 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 
 from ddp_slurm.exitcodes import EXIT_STOPPED
+from ddp_slurm.launch import exits
 from ddp_slurm.train.signals import StopFlag
 
 log = logging.getLogger("ddp_slurm.launch")
@@ -100,6 +102,12 @@ def _stopped(exc) -> bool:
     return EXIT_STOPPED in codes and all(code in (EXIT_STOPPED, -signal.SIGTERM) for code in codes)
 
 
+def _local_workers(args) -> int | None:
+    """Workers this node's agent starts (``--nproc-per-node N``), None where torchrun decides (``auto``, ``gpu``)."""
+    n = str(getattr(args, "nproc_per_node", ""))
+    return int(n) if n.isdigit() else None
+
+
 HELP = """\
 usage: python -m ddp_slurm.launch [torchrun options] -m ddp_slurm.train [--config FILE] [KEY=VALUE ...]
 
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
     @record
-    def launch(args) -> int:
+    def launch(args, exit_dir: Path) -> int:
         try:
             torchrun.run(args)
         except ChildFailedError as exc:
@@ -166,6 +174,12 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
             # SIGTERM & co. (a requeue, a preemption, scancel): torchrun has already passed it on to the
             # workers and waited for them, which checkpoint on SIGTERM. One line instead of a traceback.
             sig = signal.Signals(exc.sigval)
+            if sig == signal.SIGINT and exits.all_stopped(exit_dir, _local_workers(args), EXIT_STOPPED):
+                log.info(
+                    "interrupted: every worker stopped after a checkpoint; exit %d (launch again to resume)",
+                    EXIT_STOPPED,
+                )
+                return EXIT_STOPPED
             log.info("agent got %s: the workers were told to stop; exit %d", sig.name, 128 + sig)
             return 128 + sig
         return 0
@@ -178,7 +192,9 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
         names = ", ".join(signal.Signals(s).name for s in early.received)
         log.info("%s before any worker started: nothing to save; exit %d (launch again)", names, EXIT_STOPPED)
         return EXIT_STOPPED
-    return launch(parsed)
+    with tempfile.TemporaryDirectory(prefix="ddp-slurm-exits-") as exit_dir:
+        os.environ[exits.ENV] = exit_dir  # the workers inherit it (see launch/exits.py)
+        return launch(parsed, Path(exit_dir))
 
 
 if __name__ == "__main__":

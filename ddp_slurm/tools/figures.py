@@ -1,20 +1,23 @@
 """The figures of ``ddp-slurm report``: one run in detail, or several runs (a sweep) overlaid.
 
-Panels: training loss (and test loss) and test accuracy against samples seen, throughput against
+Panels: training loss (and test loss), one panel per evaluation metric (the task's ``best_metric``
+first, labelled with its name: ``accuracy (%)``, ``mse``, ...) against samples seen, throughput against
 training time and, when the metrics carry ``lr``, the learning rate. Marked on them: restarts (red
-after a Slurm requeue), stop signals, epoch boundaries (to within one logging interval) and changes of
-the world size between launches. matplotlib's object API on an Agg canvas: no display, no pyplot state.
+after a Slurm requeue), stop signals, epoch boundaries (at the step each epoch began) and changes of
+the world size between launches. The throughput axis ignores spikes (a first window after a restart,
+a clock jump): its top is set from the bulk of the points and the points above it are counted in the
+title. matplotlib's object API on an Agg canvas: no display, no pyplot state.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddp_slurm import safefs
-
-if TYPE_CHECKING:
-    from ddp_slurm.tools.report import Run
+from ddp_slurm.tools import tracked
+from ddp_slurm.tools.history import RunHistory, eval_metrics
 
 
 def _figure(panels: int):
@@ -23,7 +26,8 @@ def _figure(panels: int):
 
     fig = Figure(figsize=(10, 3.3 * panels), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    return fig, list(fig.subplots(panels, 1))
+    axes = fig.subplots(panels, 1)
+    return fig, list(axes) if panels > 1 else [axes]
 
 
 def _save(fig: Any, out: Path) -> Path:
@@ -32,8 +36,16 @@ def _save(fig: Any, out: Path) -> Path:
     return out
 
 
-def epoch_boundaries(run: Run) -> list[int]:
-    """Steps of the first logged train line of each epoch after the first."""
+def epoch_boundaries(run: RunHistory) -> list[int]:
+    """The step at which each epoch after the first began: multiples of the run's steps per epoch (from
+    its start lines) up to the last epoch it reached. Files written before start lines said: each
+    epoch's evaluation (it runs at the epoch's last step), else the first logged step of the next epoch."""
+    reached = max((r.get("epoch", 0) for r in run.train), default=0)
+    if run.steps_per_epoch:
+        return [k * run.steps_per_epoch for k in range(1, reached + 1)]
+    at_eval = {r.get("epoch", 0): r["step"] for r in run.evals}
+    if all(e in at_eval for e in range(reached)):
+        return [at_eval[e] for e in range(reached)]
     steps, previous = [], None
     for row in run.train:
         if previous is not None and row.get("epoch", 0) > previous:
@@ -42,13 +54,45 @@ def epoch_boundaries(run: Run) -> list[int]:
     return steps
 
 
-def overlay_epoch_boundaries(runs: list[Run], by_samples: bool) -> list[float]:
+def overlay_epoch_boundaries(runs: list[RunHistory], by_samples: bool) -> list[float]:
     """Where the runs' epoch boundaries fall on an overlay's x axis (samples seen, or steps), each
     position once: the runs of a sweep share theirs."""
     return sorted({run.samples(step) if by_samples else step for run in runs for step in epoch_boundaries(run)})
 
 
-def world_size_changes(run: Run) -> list[tuple[int, float, int, int]]:
+def metric_panels(runs: list[RunHistory]) -> list[str]:
+    """One panel per eval metric of the runs (the first run's tracked metric first); the test loss is
+    drawn with the training loss instead."""
+    names: dict[str, None] = {}
+    for run in runs:
+        names.update({n: None for n in eval_metrics(run) if n != "loss"})
+    return list(names)
+
+
+def robust_top(values: list[float]) -> tuple[float, int] | None:
+    """``(top, points above it)`` when a few values stand far above the rest (beyond the upper quartile
+    plus three interquartile ranges), so that they do not flatten the others; None when none does."""
+    if len(values) < 4:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    fence = q3 + 3 * max(q3 - q1, 0.05 * abs(q3))
+    kept = [v for v in values if v <= fence]
+    above = len(values) - len(kept)
+    return (1.1 * max(kept), above) if above and kept else None
+
+
+def _rate_limits(ax: Any, values: list[float], title: str) -> None:
+    limits = robust_top(values)
+    if limits is None:
+        ax.set_ylim(bottom=0)
+        ax.set_title(title)
+        return
+    top, above = limits
+    ax.set_ylim(0, top)
+    ax.set_title(f"{title} ({above} spike(s) above the axis, up to {max(values):,.0f})")
+
+
+def world_size_changes(run: RunHistory) -> list[tuple[int, float, int, int]]:
     """``(step, time_s, old, new)`` where a launch ran with another world size than the launch before
     (each launch's size from its ``start`` line, else from its first ``train`` line)."""
     sizes: list[tuple[int, float, int | None]] = []
@@ -62,23 +106,22 @@ def world_size_changes(run: Run) -> list[tuple[int, float, int, int]]:
     return changes
 
 
-def _style(axes: list[Any], x_label: str) -> None:
+def _style(axes: list[Any], ax_rate: Any, x_label: str) -> None:
     from matplotlib.ticker import FuncFormatter
 
     thousands = FuncFormatter(lambda x, _: f"{x:,.0f}")
-    axes[2].yaxis.set_major_formatter(thousands)  # samples/s; its x axis is seconds, left as matplotlib has it
+    ax_rate.yaxis.set_major_formatter(thousands)  # samples/s; its x axis is seconds, left as matplotlib has it
     for ax in axes:
-        if ax is not axes[2]:
+        if ax is not ax_rate:
             ax.xaxis.set_major_formatter(thousands)
+            ax.set_xlabel(x_label)
         ax.grid(alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
         if handles:
             ax.legend(loc="best", fontsize="small")
-    for ax in axes[:2] + axes[3:]:
-        ax.set_xlabel(x_label)
 
 
-def _log_loss(ax: Any, runs: list[Run]) -> None:
+def _log_loss(ax: Any, runs: list[RunHistory]) -> None:
     from matplotlib.ticker import FuncFormatter
 
     losses = [r["loss"] for run in runs for r in run.train]
@@ -88,12 +131,33 @@ def _log_loss(ax: Any, runs: list[Run]) -> None:
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if f"{y:e}"[0] in "235" else ""))
 
 
-def plot_run(run: Run, out: Path, title: str) -> Path:
-    """One run in detail (see the module docstring)."""
-    has_lr = any("lr" in r for r in run.train)
-    fig, axes = _figure(4 if has_lr else 3)
-    ax_loss, ax_acc, ax_rate = axes[:3]
-    ax_acc.sharex(ax_loss)
+def _layout(runs: list[RunHistory]) -> tuple[Any, dict[str, Any], list[str]]:
+    """The figure and its panels: ``loss``, one per eval metric (names returned), ``rate``, ``lr`` (when
+    the runs log it); the sample-axis panels share their x axis."""
+    metrics = metric_panels(runs)
+    has_lr = any("lr" in r for run in runs for r in run.train)
+    fig, axes = _figure(2 + len(metrics) + has_lr)
+    panels = {"loss": axes[0], **{f"metric:{m}": ax for m, ax in zip(metrics, axes[1:])}}
+    panels["rate"] = axes[1 + len(metrics)]
+    if has_lr:
+        panels["lr"] = axes[-1]
+    for key, ax in panels.items():
+        if key not in ("loss", "rate"):
+            ax.sharex(panels["loss"])
+        if key.startswith("metric:"):
+            name = key.partition(":")[2]
+            ax.set(title=f"test {name}", ylabel=tracked.axis_label(name))
+    return fig, panels, metrics
+
+
+def _sample_axes(panels: dict[str, Any]) -> list[Any]:
+    return [ax for key, ax in panels.items() if key != "rate"]
+
+
+def build_run(run: RunHistory, title: str) -> Any:
+    """One run in detail (see the module docstring): the Figure, unsaved."""
+    fig, panels, metrics = _layout([run])
+    ax_loss, ax_rate = panels["loss"], panels["rate"]
     xs = [run.samples(r["step"]) for r in run.train]
     ax_loss.plot(xs, [r["loss"] for r in run.train], color="tab:blue", label="training loss")
     test_loss = [(run.samples(r["step"]), r["loss"]) for r in run.evals if "loss" in r]
@@ -101,14 +165,15 @@ def plot_run(run: Run, out: Path, title: str) -> Path:
         ax_loss.plot(*zip(*test_loss), "o--", color="tab:orange", label="test loss")
     _log_loss(ax_loss, [run])
     ax_loss.set(title="loss", ylabel="loss")
-    ax_acc.plot(
-        [run.samples(r["step"]) for r in run.evals],
-        [100 * r["accuracy"] for r in run.evals],
-        "o-",
-        color="tab:green",
-        label="test accuracy",
-    )
-    ax_acc.set(title="test accuracy", ylabel="accuracy (%)")
+    for i, name in enumerate(metrics):
+        rows = [r for r in run.evals if tracked.is_number(r.get(name))]
+        panels[f"metric:{name}"].plot(
+            [run.samples(r["step"]) for r in rows],
+            [tracked.scale(name, r[name]) for r in rows],
+            "o-",
+            color=f"C{2 + i}",
+            label=f"test {name}",
+        )
     for launch in sorted({r["launch"] for r in run.train}):  # one line per launch: no line across a restart
         rows = [r for r in run.train if r["launch"] == launch]
         ax_rate.plot(
@@ -118,23 +183,25 @@ def plot_run(run: Run, out: Path, title: str) -> Path:
             color="tab:purple",
             label="samples/s (all ranks)" if launch == run.train[0]["launch"] else None,
         )
-    ax_rate.set(title="throughput", xlabel="training time (s)", ylabel="samples/s")
-    ax_rate.set_ylim(bottom=0)
-    sample_axes = [ax_loss, ax_acc]
-    if has_lr:
-        ax_lr = axes[3]
-        ax_lr.sharex(ax_loss)
+    ax_rate.set(xlabel="training time (s)", ylabel="samples/s")
+    _rate_limits(ax_rate, [r.get("samples_per_s") or 0 for r in run.train], "throughput")
+    if "lr" in panels:
         rows = [r for r in run.train if "lr" in r]
-        ax_lr.plot([run.samples(r["step"]) for r in rows], [r["lr"] for r in rows], color="tab:brown", label="lr")
-        ax_lr.set(title="learning rate", ylabel="lr")
-        sample_axes.append(ax_lr)
-    _mark(run, sample_axes, ax_rate)
-    _style(axes, "samples seen" if run.batch_size else "steps")
+        panels["lr"].plot(
+            [run.samples(r["step"]) for r in rows], [r["lr"] for r in rows], color="tab:brown", label="lr"
+        )
+        panels["lr"].set(title="learning rate", ylabel="lr")
+    _mark(run, _sample_axes(panels), ax_rate)
+    _style(list(panels.values()), ax_rate, "samples seen" if run.batch_size else "steps")
     fig.suptitle(title)
-    return _save(fig, out)
+    return fig
 
 
-def _mark(run: Run, sample_axes: list[Any], ax_rate: Any) -> None:
+def plot_run(run: RunHistory, out: Path, title: str) -> Path:
+    return _save(build_run(run, title), out)
+
+
+def _mark(run: RunHistory, sample_axes: list[Any], ax_rate: Any) -> None:
     """Restarts, stop signals, epoch boundaries and world-size changes as vertical lines."""
     labelled: set[str] = set()
 
@@ -158,32 +225,33 @@ def _mark(run: Run, sample_axes: list[Any], ax_rate: Any) -> None:
         line(run.samples(step), time_s, "tab:cyan", "-.", f"world size {old} -> {new}")
 
 
-def plot_overlay(runs: list[Run], names: list[str], out: Path, title: str) -> Path:
+def build_overlay(runs: list[RunHistory], names: list[str], title: str) -> Any:
     """Several runs on the same axes, one colour each (x: samples seen when every run knows its batch)."""
-    has_lr = any("lr" in r for run in runs for r in run.train)
-    fig, axes = _figure(4 if has_lr else 3)
-    ax_loss, ax_acc, ax_rate = axes[:3]
-    ax_acc.sharex(ax_loss)
+    fig, panels, metrics = _layout(runs)
+    ax_loss, ax_rate = panels["loss"], panels["rate"]
+    sample_axes = _sample_axes(panels)
     by_samples = all(run.batch_size for run in runs)
     x = lambda run, step: run.samples(step) if by_samples else step  # noqa: E731
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, name, color in zip(runs, names, colors):
         ax_loss.plot([x(run, r["step"]) for r in run.train], [r["loss"] for r in run.train], color=color, label=name)
-        ax_acc.plot(
-            [x(run, r["step"]) for r in run.evals],
-            [100 * r["accuracy"] for r in run.evals],
-            "o-",
-            color=color,
-            label=name,
-        )
+        for metric in metrics:
+            rows = [r for r in run.evals if tracked.is_number(r.get(metric))]
+            panels[f"metric:{metric}"].plot(
+                [x(run, r["step"]) for r in rows],
+                [tracked.scale(metric, r[metric]) for r in rows],
+                "o-",
+                color=color,
+                label=name,
+            )
         for launch in sorted({r["launch"] for r in run.train}):
             rows = [r for r in run.train if r["launch"] == launch]
             ax_rate.plot([r["time_s"] for r in rows], [r.get("samples_per_s") or 0 for r in rows], ".-", color=color)
-        if has_lr:
+        if "lr" in panels:
             rows = [r for r in run.train if "lr" in r]
-            axes[3].plot([x(run, r["step"]) for r in rows], [r["lr"] for r in rows], color=color, label=name)
+            panels["lr"].plot([x(run, r["step"]) for r in rows], [r["lr"] for r in rows], color=color, label=name)
         for step, time_s, old, new in world_size_changes(run):
-            for ax in [ax_loss, ax_acc] + axes[3:]:
+            for ax in sample_axes:
                 ax.axvline(x(run, step), color=color, linestyle="-.", linewidth=1)
             ax_rate.axvline(
                 time_s, color=color, linestyle="-.", linewidth=1, label=f"{name}: world size {old} -> {new}"
@@ -191,18 +259,21 @@ def plot_overlay(runs: list[Run], names: list[str], out: Path, title: str) -> Pa
         for stop in run.stops:
             ax_rate.axvline(stop["time_s"], color=color, linestyle=":", linewidth=1)
     for i, at in enumerate(overlay_epoch_boundaries(runs, by_samples)):
-        for ax in [ax_loss, ax_acc] + axes[3:]:
+        for ax in sample_axes:
             label = "epoch boundary" if i == 0 and ax is ax_loss else None
             ax.axvline(at, color="tab:olive", linestyle=(0, (1, 4)), linewidth=1, label=label)
     _log_loss(ax_loss, runs)
     ax_loss.set(title="training loss", ylabel="loss")
-    ax_acc.set(title="test accuracy", ylabel="accuracy (%)")
     stops = " (dotted: stop signals)" if any(run.stops for run in runs) else ""
-    ax_rate.set(title=f"throughput{stops}", xlabel="training time (s)", ylabel="samples/s")
-    ax_rate.set_ylim(bottom=0)
-    if has_lr:
-        axes[3].sharex(ax_loss)
-        axes[3].set(title="learning rate", ylabel="lr")
-    _style(axes, "samples seen" if by_samples else "steps")
+    ax_rate.set(xlabel="training time (s)", ylabel="samples/s")
+    rates = [r.get("samples_per_s") or 0 for run in runs for r in run.train]
+    _rate_limits(ax_rate, rates, f"throughput{stops}")
+    if "lr" in panels:
+        panels["lr"].set(title="learning rate", ylabel="lr")
+    _style(list(panels.values()), ax_rate, "samples seen" if by_samples else "steps")
     fig.suptitle(title)
-    return _save(fig, out)
+    return fig
+
+
+def plot_overlay(runs: list[RunHistory], names: list[str], out: Path, title: str) -> Path:
+    return _save(build_overlay(runs, names, title), out)

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm.runpaths import RunPaths
+
 SACCT_FIELDS = "JobID,JobName,State,Elapsed,NNodes,AllocTRES,ExitCode"
 _SEFF_KEYS = ("State", "Nodes", "Cores per node", "CPU Efficiency", "Job Wall-clock time", "Memory Efficiency")
 
@@ -25,7 +27,7 @@ def job_ids(run_dir: Path, starts: Iterable[dict[str, Any]] = ()) -> list[str]:
         job = row.get("job_id")
         if job not in (None, "") and str(job) not in ids:
             ids.append(str(job))
-    folder = Path(run_dir) / "submitit"
+    folder = RunPaths(run_dir).submitit
     if folder.is_dir():
         for sub in sorted(folder.iterdir(), key=lambda p: p.name):
             if sub.is_dir() and re.fullmatch(r"\d+(_\d+)?", sub.name) and sub.name not in ids:

@@ -1,7 +1,8 @@
-"""Command line of ``python -m ddp_slurm.train``, read before torch is imported.
+"""Command line of ``python -m ddp_slurm.train``, read before torch is imported, and read once.
 
 ``--help``, ``--version``, ``--print-config`` and bad arguments answer in a fraction of a second;
-only a real training run imports torch (``ddp_slurm.train.entry``).
+only a real training run imports torch (``ddp_slurm.train.entry``, which takes the parsed values and
+never sees the command line).
 """
 
 from __future__ import annotations
@@ -45,28 +46,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def print_config(argv: argparse.Namespace) -> int:
     """``--print-config``: the config the run would use, or the one-line error (exit 2)."""
-    from ddp_slurm import config, config_doc
+    from ddp_slurm import config
+    from ddp_slurm.config import doc
 
     try:
         cfg = config.load(argv.config, argv.overrides)
     except config.ConfigError as exc:
         print(f"ddp_slurm.train: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    sys.stdout.write(config_doc.render(cfg, explain=argv.explain))
+    sys.stdout.write(doc.render(cfg, explain=argv.explain))
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
-    """Parse, then either print the config or train (importing torch only then). ``stop``: the flag the
-    entry point installed as its first instruction (``StopFlag.early``)."""
+def run(argv: list[str] | None = None, stop: StopFlag | None = None, task: type | None = None) -> int:
+    """Parse once, then either print the config or train (importing torch only then); returns the exit
+    code and never exits (the submitit job calls it). ``stop``: a StopFlag the caller installed (see
+    ``entry.train``); ``task``: a Task class given from Python."""
     args = parse_args(argv)
     if args.print_config or args.explain:
         return print_config(args)
     from ddp_slurm.train import entry
 
-    code = entry.main(argv, stop=stop)
+    return entry.train(args.config, args.overrides, stop=stop, task=task)
+
+
+def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
+    """``python -m ddp_slurm.train``: ``run``, then leave the process. ``stop``: the flag the entry point
+    installed as its first instruction (``StopFlag.early``)."""
+    args = parse_args(argv)
+    if args.print_config or args.explain:
+        return print_config(args)
+    from ddp_slurm.launch import exits
+    from ddp_slurm.train import entry
+
+    exits.started()  # under the local launcher: how it tells a clean stop from a killed worker
+    code = entry.train(args.config, args.overrides, stop=stop)
     if stop is not None:
         stop.close()  # main leaves a flag it was given to its caller (see signals.py on close())
+    exits.record(code)
     exit_now(code)  # leaves the process (see exitcodes.exit_now)
     return EXIT_OK  # not reached
 

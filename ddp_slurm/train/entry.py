@@ -1,4 +1,5 @@
-"""Entry points of training: ``python -m ddp_slurm.train`` (``main``) and ``ddp_slurm.run`` (Python API).
+"""Training from parsed values: ``train`` (under ``python -m ddp_slurm.train``, whose command line
+``cli`` reads) and ``run`` (``ddp_slurm.run``, the Python API).
 
 Exit codes (``ddp_slurm.exitcodes``): 0 finished (or already finished); 2 usage or config error, nothing
 started; 75 stopped on a signal after writing a checkpoint (launch again to resume; inside Slurm with
@@ -14,12 +15,11 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from ddp_slurm import config
+from ddp_slurm import config, errors
 from ddp_slurm.config import Config, ConfigError
-from ddp_slurm.dist.env import BootstrapError, DistEnv, RendezvousError
-from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_USAGE
+from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError
+from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_STOPPED, EXIT_USAGE
 from ddp_slurm.train import tb
-from ddp_slurm.train.cli import parse_args
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
 log = logging.getLogger("ddp_slurm")
@@ -47,15 +47,14 @@ def check_task(cfg: Config, env: DistEnv, cls: type | None = None) -> type:
     return cls
 
 
-def main(argv: list[str] | None = None, stop: StopFlag | None = None, task: type | None = None) -> int:
-    """Train one rank; returns the exit code.
+def check_graphs(cfg: Config, env: DistEnv) -> None:
+    """train.cuda_graphs where it cannot hold (CPU, several ranks): ConfigError before anything starts."""
+    if cfg.train.cuda_graphs:
+        import torch
 
-    ``stop``: a StopFlag the caller already installed for ``slurm.signal`` (the submitit callable does,
-    before anything else runs, so that no stop signal reaches submitit's own handlers); main then
-    leaves installing and restoring it to the caller. ``task``: a Task class given by the Python API.
-    """
-    args = parse_args(argv)
-    return _main(args.config, args.overrides, stop, task)
+        from ddp_slurm.train import graphs
+
+        graphs.check(cfg, env.world_size, torch.cuda.is_available())
 
 
 def run(task: type | str | None = None, overrides: Iterable[str] = (), config_file: str | Path | None = None) -> int:
@@ -69,15 +68,24 @@ def run(task: type | str | None = None, overrides: Iterable[str] = (), config_fi
     if isinstance(task, str):
         overrides.append(f"task={task}")
         task = None
-    return _main(Path(config_file) if config_file else None, overrides, None, task)
+    return train(Path(config_file) if config_file else None, overrides, task=task)
 
 
-def _main(config_file: Path | None, overrides: list[str], stop: StopFlag | None, task: type | None) -> int:
+def train(
+    config_file: Path | None, overrides: Iterable[str], stop: StopFlag | None = None, task: type | None = None
+) -> int:
+    """Train one rank; returns the exit code.
+
+    ``stop``: a StopFlag the caller already installed for ``slurm.signal`` (the submitit callable does,
+    before anything else runs, so that no stop signal reaches submitit's own handlers); train then
+    leaves installing and restoring it to the caller. ``task``: a Task class given by the Python API.
+    """
     own_stop = stop is None
     try:
         cfg = config.load(config_file, overrides, task=task)
         env = DistEnv.from_environ(os.environ)
         config.check_world_size(cfg, env.world_size)
+        check_graphs(cfg, env)
         tb.require(cfg)
         task_cls = check_task(cfg, env, task)
         if stop is None:
@@ -93,40 +101,47 @@ def _main(config_file: Path | None, overrides: list[str], stop: StopFlag | None,
     if own_stop:
         stop.install()  # before the rendezvous: a signal at any time from here on is a clean stop
     try:
-        return _train(cfg, task_cls, env, stop)
+        return _train_rank(cfg, task_cls, env, stop)
     finally:
         if own_stop:
             stop.close()  # a stopping rank ignores further stop signals until it has exited (see signals.py)
 
 
-def _train(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
-    from ddp_slurm.dist import group, stall, watchdog
-    from ddp_slurm.tasks.mnist.data import DataError
-    from ddp_slurm.train import checkpoint, logs, loop
-    from ddp_slurm.train.rundir import RunDirError, RunLocked, UsageError
+def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
+    from ddp_slurm.distributed import chain, group, meet, stall, watchdog
+    from ddp_slurm.train import checkpoint, graphs, logs, loop
+    from ddp_slurm.train.rundir import RunDirError, RunLocked
 
-    # Errors whose message says it all: logged as one line, no traceback.
+    # Errors whose message says it all: logged as one line, no traceback. errors.Error (a task's own
+    # errors among them) carries its exit code; the others are failures (exit 1).
     expected: tuple[type[BaseException], ...] = (
+        errors.Error,
         checkpoint.CheckpointError,
-        DataError,
         loop.NonFiniteLoss,
         BootstrapError,
         RunLocked,
         RendezvousError,
         watchdog.PeerLost,
         RunDirError,
+        graphs.GraphError,
     )
     try:
         with (
-            group.distributed(env, cfg.dist.backend, cfg.dist.timeout_s) as (device, backend),
-            watchdog.watch(env, ignore=expected + (UsageError,), stall_s=stall.deadline_s(cfg.dist.timeout_s)) as dog,
+            group.distributed(env, cfg.dist.backend, cfg.dist.timeout_s, lambda: stop.requested) as (device, backend),
+            watchdog.watch(env, ignore=expected, after_beat=stall.checker(stall.deadline_s(cfg.dist.timeout_s))) as dog,
         ):  # names a lost or stuck rank before the backend's own timeout ends the job
             return loop.train(cfg, task_cls, env, device, backend, stop, dog)
-    except UsageError as exc:
+    except errors.Error as exc:
         log.error("%s", exc)
-        return EXIT_USAGE
+        return exc.exit_code
+    except meet.RendezvousStopped as exc:  # nothing started: a clean stop, as documented for exit 75
+        stop.stopping = True  # a second signal (torchrun's TERM) must not turn it into death by signal
+        log.warning("%s", exc)
+        return EXIT_STOPPED
     except expected as exc:
         log.error("%s", exc)
+        if isinstance(exc, watchdog.PeerLost):  # a node named: recorded, and the job requeued without it
+            chain.after_peer_lost(cfg, env, exc)
         return EXIT_FAILURE
     except Exception as exc:
         gist = logs.collective_failure(exc)

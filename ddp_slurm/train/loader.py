@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from ddp_slurm.train import rng
 from ddp_slurm.train.task import Tensors
 
 PERMUTATION_STRIDE = 1_000_003  # (seed, epoch) -> one generator seed; epochs never collide below 10^6
@@ -85,13 +86,16 @@ class InMemory:
         self.steps_per_epoch = steps_per_epoch(len(data), global_batch)
 
     def epoch(self, epoch: int, start_step: int) -> Iterator[tuple[torch.Tensor, ...]]:
-        order = epoch_permutation(len(self.data), self.seed, epoch).to(self.device)  # indices on the device
+        order = epoch_permutation(len(self.data), self.seed, epoch)
+        if self.device.type == "cuda":  # from pinned memory the copy is queued: no host sync at an epoch's start
+            order = order.pin_memory()
+        order = order.to(self.device, non_blocking=True)  # indices on the device
         for step in range(start_step, self.steps_per_epoch):
             index = order[rank_slice(step, self.global_batch, self.rank, self.world)]
             yield tuple(t.index_select(0, index) for t in self.data.tensors)
 
     def first_batch(self) -> tuple[torch.Tensor, ...]:
-        """A real batch for DDP's warm-up backward (see step.settle_buckets); draws no randomness."""
+        """A real batch for DDP's warm-up backward (see ddp.settle_buckets); draws no randomness."""
         n = max(1, self.global_batch // self.world)
         return tuple(t[:n] for t in self.data.tensors)
 
@@ -140,12 +144,12 @@ class SeededSamples(Dataset):
         if get_worker_info() is not None:  # a worker process: its RNG streams are its own to reseed
             _seed_all(sample_seed(self.seed, epoch, index))
             return self.dataset[index]
-        saved = _rng_states()  # train.workers=0: this is the training process, whose streams are checkpointed
+        saved = rng.capture()  # train.workers=0: this is the training process, whose streams are checkpointed
         try:
             _seed_all(sample_seed(self.seed, epoch, index))
             return self.dataset[index]
         finally:
-            _set_rng_states(saved)
+            rng.restore(saved)
 
 
 def _seed_all(s: int) -> None:
@@ -156,24 +160,6 @@ def _seed_all(s: int) -> None:
     except ImportError:  # numpy is optional for tasks
         return
     np.random.seed(s & 0xFFFF_FFFF)
-
-
-def _rng_states() -> tuple[Any, Any, Any]:
-    try:
-        import numpy as np
-    except ImportError:
-        return random.getstate(), torch.get_rng_state(), None
-    return random.getstate(), torch.get_rng_state(), np.random.get_state()
-
-
-def _set_rng_states(saved: tuple[Any, Any, Any]) -> None:
-    py, cpu, np_state = saved
-    random.setstate(py)
-    torch.set_rng_state(cpu)
-    if np_state is not None:
-        import numpy as np
-
-        np.random.set_state(np_state)
 
 
 class DatasetBatches:

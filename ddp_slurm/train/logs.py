@@ -4,11 +4,14 @@ Every line carries the time; warnings and errors also carry rank and host, so a 
 of 64 is found in one grep. Interactive runs (stderr is a terminal) get a tqdm bar per epoch on rank
 0; batch runs (Slurm log files) get one plain line every ``log_every_s`` seconds, no carriage returns.
 tqdm rather than rich: it is small, imports fast (startup time matters to every rank) and degrades to
-nothing when told to.
+nothing when told to. While a bar is on screen, log lines (a checkpoint written, from any thread) go
+through ``tqdm.write``, which clears the bar, prints the line and redraws the bar below it: a line
+written straight to the terminal would land in the middle of the bar.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import socket
@@ -78,13 +81,16 @@ class Progress:
         self.every_s = every_s
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self._bar: Any = None
+        self._routed = contextlib.ExitStack()  # the log handlers swapped for tqdm's while a bar is live
         self._last_line = time.monotonic()
         self._log = logging.getLogger("ddp_slurm.progress")
 
     def start_epoch(self, epoch: int, epochs: int, steps: int, done: int) -> None:
         if self.enabled and self.interactive:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
+            self._routed.enter_context(logging_redirect_tqdm())  # the root logger's stderr handler
             self._bar = tqdm(
                 total=steps,
                 initial=done,
@@ -125,6 +131,7 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._routed.close()  # the plain handler again: lines between epochs need no bar to clear
 
 
 def rank_map(hosts: list[str]) -> str:
@@ -142,6 +149,15 @@ def rank_map(hosts: list[str]) -> str:
                 runs.append([r, r])
         parts.append(f"{host}: " + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs))
     return "; ".join(parts)
+
+
+def resumed_from(step: int, launch: int, env: Any) -> str:
+    """``from step 40 (launch 2)``, adding ``Slurm requeue 1`` inside a requeued Slurm job: the restart
+    count is Slurm's, and a plain relaunch outside Slurm is not a restart of anything."""
+    where = f"launch {launch}" if launch else ""
+    if env.in_slurm_job and env.restart_count:
+        where += (", " if where else "") + f"Slurm requeue {env.restart_count}"
+    return f"from step {step}" + (f" ({where})" if where else "")
 
 
 def metric(name: str, value: float) -> str:

@@ -1,100 +1,62 @@
 """The training loop: one rank's view of a run, for any task. It knows no dataset or model by name.
 
 Read ``_train`` top to bottom: resume or start, then steps until the last one or a stop signal. The
-task supplies the model, the data and the loss (``train/task.py``); the step, the DDP wrapper and the
-evaluation are in ``step.py``; what a checkpoint holds is in ``state.py``; the batches in ``loader.py``.
+task supplies the model, the data and the loss (``train/task.py``); the step and the evaluation are in
+``step.py``, the DDP wrapper in ``ddp.py`` (FSDP2 in ``fsdp.py``), the optimizer and schedule in ``optim.py``,
+the stop vote in ``vote.py``; what a checkpoint holds is in ``state.py``, when and how it is written in
+``checkpoint/`` (its ``Checkpointer`` owns the checkpoint section); the batches in ``loader.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ddp_slurm.config import Config, ConfigError
-from ddp_slurm.dist import allocation, slurm
-from ddp_slurm.dist.env import DistEnv
-from ddp_slurm.dist.group import on_rank0
-from ddp_slurm.dist.watchdog import Watchdog
+from ddp_slurm.distributed import allocation, chain
+from ddp_slurm.distributed.env import DistEnv
+from ddp_slurm.distributed.group import on_rank0
+from ddp_slurm.distributed.watchdog import Watchdog
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
-from ddp_slurm.train import checkpoint, determinism, loader, logs, rundir, runname, state, step, tb
-from ddp_slurm.train.ckpt_async import AsyncCheckpointer
+from ddp_slurm.train import (
+    accumulate,
+    checkpoint,
+    determinism,
+    fsdp,
+    graphs,
+    loader,
+    loggers,
+    logs,
+    rundir,
+    runname,
+    state,
+    step,
+    syncdebug,
+    tb,
+    warmstart,
+)
+from ddp_slurm.train.checkpoint import Checkpointer, fit
+from ddp_slurm.train.checkpoint import sharded as sharded_format
+from ddp_slurm.train.ddp import wrap_ddp
 from ddp_slurm.train.metrics import MetricsWriter
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 from ddp_slurm.train.precision import check_precision
 from ddp_slurm.train.signals import StopFlag
 from ddp_slurm.train.task import Context, Task, Tensors
+from ddp_slurm.train.vote import StopVote
+from ddp_slurm.train.window import LossWindow, log_placement
 
 log = logging.getLogger("ddp_slurm")
 
 
 class NonFiniteLoss(RuntimeError):
     """The loss or the weights became NaN/inf: stop before anything is saved."""
-
-
-class LossWindow:
-    """The training loss averaged over the steps between two log lines, and the rate over them.
-
-    The loss stays on the device while it accumulates: reading it is the one host sync per window.
-    """
-
-    def __init__(self, device: torch.device, world_size: int, global_batch: int, step: int) -> None:
-        self.sum, self.n, self.world_size, self.global_batch = (
-            torch.zeros((), device=device),
-            0,
-            world_size,
-            global_batch,
-        )
-        self.started, self.first_step = time.monotonic(), step
-        self.loss: float | None = None
-        self.rate: float | None = None
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.sum += loss
-        self.n += 1
-
-    def close(self, step: int) -> dict[str, float]:
-        """The window's figures for metrics.jsonl: loss (mean over steps and ranks), samples/s, mean step
-        time, and how far apart the ranks' step times were ((slowest - fastest) / mean); starts the next
-        window."""
-        now = time.monotonic()
-        steps = max(step - self.first_step, 1)
-        mean = self.sum / max(self.n, 1)
-        own = torch.tensor([(now - self.started) / steps] * 2, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(mean)
-            mean /= self.world_size
-            times = torch.cat([own[:1], -own[1:]]).to(mean.device)
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest and (negated) fastest rank
-            own = times.cpu() * torch.tensor([1.0, -1.0], dtype=torch.float64)
-        slowest, fastest = own.tolist()
-        self.loss, self.rate = mean.item(), steps * self.global_batch / (now - self.started)
-        self.sum.zero_()
-        self.n, self.started, self.first_step = 0, now, step
-        return {
-            "loss": self.loss,
-            "samples_per_s": self.rate,
-            "step_time_s": (slowest + fastest) / 2,
-            "step_time_spread": (slowest - fastest) / max((slowest + fastest) / 2, 1e-12),
-        }
-
-
-def log_placement(env: DistEnv) -> list[str]:
-    """Rank 0 logs once which host each rank runs on: the first thing to check when a job misbehaves.
-    Returns every rank's host, in rank order."""
-    host = socket.gethostname()
-    hosts = [host] * env.world_size
-    if env.world_size > 1:
-        dist.all_gather_object(hosts, host)
-    if env.rank == 0:
-        log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
-    return hosts
 
 
 def train(
@@ -133,31 +95,43 @@ def train(
             env.rank, env.world_size, env.local_rank, device, cfg.run.seed, cfg.run_dir, cfg.train.global_batch_size
         ),
     )
-    lock = rundir.RunLock(cfg.run_dir, shared=cfg.run.shared)
+    # Downloads happen once (the other ranks wait), and before the run directory exists: data that cannot
+    # be had stops the launch with nothing created.
+    on_rank0(env, task.prepare_data)
+    lock = rundir.RunLock(cfg.paths)
     found: dict[str, Any] = {}
 
     def take_run_dir() -> Path | None:
         with torch.device("meta"):  # names and shapes only, no memory: what a resumable checkpoint must match
             reference = task.build_model().state_dict()
-        latest = rundir.prepare(cfg, lock, reference)
+        init = warmstart.locate(cfg, reference)  # run.init_from: checked before the run directory is made
+        if init is not None:
+            cfg.run.init_from = init  # config.yaml records the very file
+        latest = rundir.prepare(cfg, lock, reference, fit.of_task(task, cfg.train))
         if latest is None:
             return None
         found["state"] = latest[1]
         return latest[0]
 
-    # checkpoint.async: rank 0 writes in the background, at most one write in flight (ckpt_async.py)
-    ckpt = AsyncCheckpointer(
-        cfg.run_dir,
-        cfg.checkpoint.keep,
-        enabled=cfg.checkpoint.async_save,
-        shared=cfg.run.shared,
+    # the checkpoint section's owner: cadence, keep, async (rank 0 writes, at most one write in flight;
+    # dist.strategy=fsdp: every rank writes its shards, rank 0 commits: checkpoint/sharded.py)
+    sharded = cfg.dist.strategy == "fsdp"
+    ckpt = Checkpointer(
+        cfg.checkpoint,
+        cfg.paths,
+        sharded=sharded,
         stop_pending=lambda: stop.requested,  # a stop during a save's wait cancels the write it supersedes
     )
     try:
         path = on_rank0(env, take_run_dir)  # only the path travels: each rank reads the file itself
-        resumed = None if path is None else found["state"] if env.rank == 0 else checkpoint.load(path)
+        cfg.run.init_from = on_rank0(env, lambda: cfg.run.init_from)  # the file rank 0 located, on every rank
+        read = (lambda p: sharded_format.read_commit(p, verify_files=False)) if sharded else checkpoint.load
+        resumed = None if path is None else found["state"] if env.rank == 0 else read(path)
+        if sharded and resumed is not None:
+            resumed = dict(resumed, folder=path)  # the shards are read by every rank in _train
         return _train(cfg, task, env, device, backend, stop, resumed, t0, dog, hosts, ckpt)
     finally:
+        syncdebug.reset(device)
         if ckpt.in_flight:  # leaving on an error: the write in flight still ends whole (or not at all)
             try:
                 ckpt.close()
@@ -177,7 +151,7 @@ def _train(
     t0: float,
     dog: Watchdog | None,
     hosts: list[str],
-    ckpt: AsyncCheckpointer,
+    ckpt: Checkpointer,
 ) -> int:
     if resumed is not None and resumed["finished"]:
         name, value = task.best_metric, resumed.get("best", resumed.get("best_accuracy"))
@@ -194,7 +168,6 @@ def _train(
         return EXIT_REQUEUE_CAP
 
     G, ws, tc = cfg.train.global_batch_size, env.world_size, cfg.train
-    on_rank0(env, task.prepare_data)  # downloads happen once; the other ranks wait for them
     batches = loader.make_batches(task.train_data(), device, cfg.run.seed, G, env.rank, ws, tc)
     eval_data = task.eval_data()
     if isinstance(eval_data, Tensors):
@@ -204,25 +177,54 @@ def _train(
 
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = task.build_model().to(device)
-    optimizer = task.configure_optimizer(model) or step.make_optimizer(tc, model.parameters(), device)
-    scheduler = task.configure_scheduler(optimizer, total_steps) or step.make_scheduler(tc, optimizer, total_steps)
-    if resumed is not None:
+    sharded = cfg.dist.strategy == "fsdp"
+    if sharded:  # before the optimizer: the parameters become DTensors holding this rank's shard
+        model = fsdp.shard(model, task.shard_units(model), device, tc.precision)
+    optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
+    scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
+    if resumed is not None and sharded:
+        pos = sharded_format.restore(
+            resumed["folder"], resumed, model, optimizer, scheduler, task, cfg.run.seed, device, env.rank, ws
+        )
+    elif resumed is not None:
         pos = state.restore(resumed, model, optimizer, scheduler, task, cfg.run.seed, device, env.rank, ws)
     else:
         pos = state.Position()
         state.seed_rank(cfg.run.seed, env.rank, 0, device)  # each rank its own dropout/augmentation stream
-    ddp = step.wrap_ddp(model, device, ws, warmup=lambda net: task.training_step(net, batches.first_batch()))
-    train_step = step.make_step(ddp, optimizer, scheduler, task.training_step, device, tc.precision)
+    warm = warmstart.load_into(cfg, model, optimizer, env.rank) if resumed is None and cfg.run.init_from else {}
+    if sharded:
+        ddp = model  # FSDP2 shards in place: the model is the module the step calls
+    else:
+        ddp = wrap_ddp(model, device, ws, settle=True)
+    if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
+        train_step = graphs.make_step(ddp, optimizer, scheduler, task.training_step, device, tc.precision)
+    else:
+        train_step = step.make_step(
+            ddp, optimizer, scheduler, task.training_step, device, tc.precision, tc.accumulate, tc.grad_clip
+        )
 
     board = tb.open_for(cfg, cfg.run_dir, env.rank)  # log.tensorboard: the same records as TensorBoard events
-    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if env.rank == 0 else None, cfg.run.shared, sinks=(board,))
+    sinks = (board, *loggers.open_sinks(cfg, cfg.run_dir, env.rank))  # log.mlflow, log.wandb, log.csv
+    metrics = MetricsWriter(cfg.paths.metrics if env.rank == 0 else None, cfg.paths.shared, sinks=sinks)
 
     def elapsed() -> float:
         return pos.elapsed_s + time.monotonic() - t0
 
     def save(finished: bool = False, urgent: bool = False) -> None:
         """Every rank hands rank 0 its RNG streams; rank 0 snapshots the state and writes it (in the
-        background with checkpoint.async; ``urgent``: a stop or the end, whose write is waited for next)."""
+        background with checkpoint.async; ``urgent``: a stop or the end, whose write is waited for next).
+        Under fsdp every rank writes its own shards (checkpoint/sharded.py)."""
+        if sharded:
+            extra = {"config": cfg.to_dict(), "restart_count": env.restart_count}
+            try:
+                args = (model, optimizer, scheduler, task, pos, finished, elapsed(), extra, device, env.rank, ws)
+                snap = sharded_format.capture(*args)
+            except ValueError as exc:
+                raise NonFiniteLoss(f"{exc}: not saving them; the last good checkpoint is kept (lower train.lr?)")
+            path = ckpt.save(snap, urgent=urgent)
+            metrics.event("checkpoint", pos.step, pos.epoch, elapsed(), background=path is None)
+            pos.last_saved = pos.step
+            return
         snapshot = state.capture(
             model,
             optimizer,
@@ -238,14 +240,13 @@ def _train(
         )
 
         def write() -> None:
-            if not all(torch.isfinite(p).all() for p in model.parameters()):
+            if not step.all_finite(model.parameters()):  # one host sync for all of them
                 raise NonFiniteLoss(
                     f"weights are not finite at step {pos.step}: not saving them; "
                     "the last good checkpoint is kept (lower train.lr?)"
                 )
             path = ckpt.save(snapshot, urgent=urgent)  # None: handed to the writer, which logs it when durable
-            if path is not None:
-                log.info("checkpoint %s", path)
+            metrics.event("checkpoint", pos.step, pos.epoch, elapsed(), background=path is None)
 
         on_rank0(env, write)
         pos.last_saved = pos.step
@@ -261,6 +262,11 @@ def _train(
         launcher=env.launcher,
         task=cfg.task,
         job_id=env.job_id,
+        **warm,
+        best_metric=task.best_metric,
+        higher_is_better=task.higher_is_better,
+        launch=metrics.launch,
+        steps_per_epoch=batches.steps_per_epoch,
     )
     log.info(
         "%s run %s: world size %d on %d node(s) via %s, backend %s, device %s, %s",
@@ -271,12 +277,14 @@ def _train(
         env.launcher,
         backend,
         device,
-        f"from step {pos.step} (restart {env.restart_count})" if resumed else "fresh start",
+        logs.resumed_from(pos.step, metrics.launch, env) if resumed else "fresh start",
     )
 
     progress = logs.Progress(env.rank == 0, tc.log_every_s)
-    votes = step.StopVote(stop, ws, device, failed=lambda: ckpt.failed)
+    votes = StopVote(stop, ws, device, failed=lambda: ckpt.failed)
     window = LossWindow(device, ws, G, pos.step)
+    norms = accumulate.NormWindow()  # train.grad_clip: the gradient norm before clipping
+    watch = syncdebug.SyncWatch.from_environ(os.environ, device, pos.step)  # a test hook: docs/gpu.md
     spe = batches.steps_per_epoch
 
     def epoch_steps() -> int:  # this epoch's steps for the progress display (train.max_steps may end it early)
@@ -286,14 +294,18 @@ def _train(
     progress.start_epoch(pos.epoch, tc.epochs, epoch_steps(), pos.step_in_epoch)
     requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)  # a signal that came before the first step
     while not (requeue or terminate) and pos.step < total_steps:
+        watch.steady(pos.step)
         loss = train_step(next(epoch_batches))
         pos.advance()
         if dog is not None:
             dog.progress(pos.step)
         window.add(loss)
+        norms.add(getattr(train_step, "grad_norm", None))
         end_of_epoch = pos.step_in_epoch == spe or pos.step == total_steps
-        saving = end_of_epoch or bool(cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0)
-        # The ranks agree on stopping one step late, without waiting for each other (step.StopVote);
+        saving = ckpt.due(pos.step, end_of_epoch)
+        if saving or pos.step % tc.log_every_steps == 0:  # the boundaries that may wait for the device
+            watch.boundary()
+        # The ranks agree on stopping one step late, without waiting for each other (StopVote);
         # before an evaluation or a save they wait, so that nothing non-finite is evaluated or saved.
         requeue, terminate, bad = votes.exchange(loss, pos.step, wait=saving)
         if votes.failed:  # rank 0's background write failed (disk full, read-only): its one line, every rank
@@ -310,6 +322,7 @@ def _train(
                 pos.epoch,
                 elapsed(),
                 **window.close(pos.step),
+                **norms.close(),
                 world_size=ws,
                 lr=scheduler.get_last_lr()[0],
             )
@@ -329,6 +342,7 @@ def _train(
         if saving:  # a signal that came during the evaluation or the save stops here: this step is on disk
             requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)
 
+    watch.close()
     votes.settle()  # the last step's flags, when a signal ended the loop: no collective left in flight
     progress.end_epoch()
     stop.stopping = True  # from here on stop signals are absorbed until the process exits (see signals.py)
@@ -364,6 +378,8 @@ def evaluate(
     )
     if eval_data is not None:
         batches = loader.eval_batches(eval_data, device, env.rank, env.world_size, tc.eval_batch_size, tc.workers)
+        if cfg.dist.strategy == "fsdp":  # every forward is a collective: as many batches on every rank
+            batches = fsdp.padded(batches, eval_data, device, env.rank, env.world_size, tc.eval_batch_size)
         values, samples = step.evaluate(model, batches, task.eval_step, device, env.world_size, tc.precision)
         pos.improve(values.get(task.best_metric) if task.best_metric else None, task.higher_is_better)
         metrics.write("eval", pos.step, pos.epoch, elapsed, test_samples=samples, **values)
@@ -378,7 +394,7 @@ def stop_on_signal(
     pos: state.Position,
     wants_requeue: bool,
     save: Callable[..., None],
-    ckpt: AsyncCheckpointer,
+    ckpt: Checkpointer,
     metrics: MetricsWriter,
     elapsed: float,
 ) -> int:
@@ -403,7 +419,13 @@ def stop_on_signal(
                 pos.step,
             )
             return EXIT_REQUEUE_CAP
-        if env.rank == 0:
-            slurm.requeue(env.slurm_job_ref)
-    log.info("stopped on signal at step %d with a checkpoint; launch again to resume (exit %d)", pos.step, EXIT_STOPPED)
+        on_rank0(env, lambda: chain.continue_job(cfg, env))  # scontrol requeue, or a chained successor
+    # Every rank waits for rank 0's requeue and line: under srun --kill-on-bad-exit, the first rank to exit
+    # 75 ends the step, and rank 0 must not be killed before them.
+    on_rank0(
+        env,
+        lambda: log.info(
+            "stopped on signal at step %d with a checkpoint; launch again to resume (exit %d)", pos.step, EXIT_STOPPED
+        ),
+    )
     return EXIT_STOPPED

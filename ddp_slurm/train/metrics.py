@@ -1,7 +1,9 @@
 """``metrics.jsonl``: one JSON object per line, appended by rank 0 and flushed per line.
 
 Every line has ``kind``, ``step``, ``epoch`` and ``time_s`` (training wall time, accumulated over
-restarts). Kinds: ``start`` (each launch), ``train``, ``eval``, ``stop`` (stop signal), ``end``.
+restarts). Kinds: ``start`` (each launch), ``train``, ``eval``, ``stop`` (stop signal), ``end``. A
+``start`` line names the task's ``best_metric`` and ``higher_is_better`` (what the tools rank by) and
+the ``launch`` number. The sinks (loggers) also get ``checkpoint`` events (:meth:`MetricsWriter.event`).
 """
 
 from __future__ import annotations
@@ -22,15 +24,23 @@ class MetricsWriter:
         (``safefs.open_owned``; ``shared``: ``run.shared``). ``sinks``: other writers with the same
         ``write``/``close`` (TensorBoard, ``train/tb.py``) that get every record too; None entries are skipped."""
         self._file = None
+        self.launch = 0  # which launch of the run this is (1 = the first); known on rank 0 only
         if path is not None:
+            # opened (and so checked: no symlink, FIFO or foreign file) before it is read for the count
             fd = safefs.open_owned(path, os.O_WRONLY | os.O_APPEND, shared)
             self._file = os.fdopen(fd, "a", buffering=1)
+            self.launch = 1 + sum(1 for row in read(path) if row.get("kind") == "start")
         self._sinks = [s for s in sinks if s is not None]
 
     def write(self, kind: str, step: int, epoch: int, time_s: float, **fields: Any) -> None:
         if self._file is not None:
             row = {"kind": kind, "step": step, "epoch": epoch, "time_s": round(time_s, 3), **fields}
             self._file.write(json.dumps(row) + "\n")
+        for sink in self._sinks:
+            sink.write(kind, step, epoch, time_s, **fields)
+
+    def event(self, kind: str, step: int, epoch: int, time_s: float, **fields: Any) -> None:
+        """A record for the sinks only (loggers), not for metrics.jsonl: ``checkpoint``."""
         for sink in self._sinks:
             sink.write(kind, step, epoch, time_s, **fields)
 

@@ -16,7 +16,11 @@ from typing import Any
 
 from ddp_slurm import config, safefs
 from ddp_slurm.config import Config
+from ddp_slurm.errors import UsageError  # a usage problem found once the ranks are up: exit 2
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import checkpoint
+from ddp_slurm.train.checkpoint import fit
+from ddp_slurm.train.checkpoint import sharded as ckpt_sharded
 
 
 class RunLocked(RuntimeError):
@@ -24,9 +28,9 @@ class RunLocked(RuntimeError):
 
 
 class RunLock:
-    def __init__(self, run_dir: Path, shared: bool = False) -> None:
-        self.path = Path(run_dir) / ".lock"
-        self.shared = shared  # run.shared: a teammate's lock file is fine
+    def __init__(self, paths: RunPaths) -> None:
+        self.path = paths.lock
+        self.shared = paths.shared  # run.shared: a teammate's lock file is fine
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -56,11 +60,9 @@ class RunDirError(RuntimeError):
     """The run directory cannot be written (read-only or full file system, permissions)."""
 
 
-class UsageError(RuntimeError):
-    """A usage problem found once the ranks are up (run directory busy or holding another config): exit 2."""
-
-
-def prepare(cfg: Config, lock: RunLock, model_keys: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+def prepare(
+    cfg: Config, lock: RunLock, model_keys: dict[str, Any], run_fit: fit.Template | None = None
+) -> tuple[Path, dict[str, Any]] | None:
     """Rank 0: take the run directory (refusing one whose checkpoints belong to another config, one that
     another launch holds, and files a co-tenant could have planted), write the resolved config, and return
     the checkpoint to resume from (None: fresh start).
@@ -69,28 +71,33 @@ def prepare(cfg: Config, lock: RunLock, model_keys: dict[str, Any]) -> tuple[Pat
     ``model_keys``' names and shapes, every entry a resume needs) is resumed; others are skipped with a
     warning, never deleted. A directory with a config but no checkpoint holds no work yet: it is taken
     over, so a launch that failed before its first checkpoint (missing data, a typo) locks nothing in."""
-    run_dir, saved, shared = cfg.run_dir, cfg.run_dir / "config.yaml", cfg.run.shared
+    run_dir, saved, shared = cfg.run_dir, cfg.paths.config, cfg.paths.shared
+    sharded = cfg.dist.strategy == "fsdp"  # checkpoints are folders of shards (checkpoint/sharded.py)
     accept = checkpoint.all_of(
-        checkpoint.require("model", "optimizer", "scheduler", "rng", "config"),
+        checkpoint.require(*(("model_shapes",) if sharded else ("model", "optimizer")), "scheduler", "rng", "config"),
         checkpoint.same_config(cfg),
         checkpoint.same_model(model_keys),
+        *([fit.fits(run_fit)] if run_fit is not None else []),  # optimizer, schedule, position, RNG
     )
     try:
         if run_dir.exists():
             safefs.check_run_dir(run_dir, shared)  # before anything in it is read
-        if saved.exists() and checkpoint.list_checkpoints(run_dir):
+        conflict = ckpt_sharded.strategy_conflict(run_dir, cfg.dist.strategy)
+        if conflict:
+            raise UsageError(conflict)
+        if saved.exists() and (checkpoint.list_checkpoints(run_dir) or ckpt_sharded.list_sharded(run_dir)):
             diffs = config.incompatible_changes(config.read_resolved(saved), cfg)
             if diffs:
-                raise UsageError(
-                    f"run directory {run_dir} holds a run with another config ({'; '.join(diffs)}): "
-                    "launch with the same settings to resume it, or choose another run.name"
-                )
+                raise UsageError(config.resume.changed_config(run_dir, diffs))
         safefs.make_dir(run_dir, shared)
+        if os.path.lexists(cfg.paths.metrics):  # reopened by rank 0 later: a planted one is refused now, in one line
+            os.close(safefs.open_owned(cfg.paths.metrics, os.O_WRONLY | os.O_APPEND, shared))
         lock.acquire()
         checkpoint.remove_stale_temporaries(run_dir)
-        found = checkpoint.latest(run_dir, accept=accept, shared=shared)
+        ckpt_sharded.remove_stale_partials(run_dir)
+        found = (ckpt_sharded.latest if sharded else checkpoint.latest)(run_dir, accept=accept, shared=shared)
         config.dump(cfg, saved)
-    except RunLocked as exc:
+    except (RunLocked, checkpoint.NoneFits) as exc:
         raise UsageError(str(exc)) from None
     except (safefs.UnsafePath, config.ConfigError) as exc:
         raise UsageError(str(exc)) from None

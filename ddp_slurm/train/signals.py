@@ -1,7 +1,7 @@
 """Stop signals as a flag: handlers record which signal came and do nothing else.
 
 No I/O, no collective, no exception from inside a handler: the training loop reads the flag after
-each step and all ranks agree (``engine.StopVote``: one small all-reduce, read a step later) on
+each step and all ranks agree (``vote.StopVote``: one small all-reduce, read a step later) on
 stopping at the same step.
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP (a closed login shell) always mean "checkpoint and stop"; the
 configured signal (SIGUSR2 by default, the one Slurm's ``--signal`` sends before the time limit)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_slurm.train.checkpoint import FORMAT
+from ddp_slurm.train.checkpoint.format import FORMAT
 
 log = logging.getLogger("ddp_slurm")
 
@@ -121,10 +121,17 @@ def capture(
     if rank != 0:
         return None
     assert rngs is not None
+    own = {"format": FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    return own | record(scheduler, task, pos, finished, elapsed_s, rngs, world_size) | extra
+
+
+def record(
+    scheduler: Any, task: Any, pos: Position, finished: bool, elapsed_s: float, rngs: list[Any], world_size: int
+) -> dict[str, Any]:
+    """What every checkpoint holds beside the model and optimizer, whatever its format (a single file here,
+    a sharded folder's commit record in ``checkpoint/sharded.py``): schedule, task state, position, every
+    rank's RNG streams."""
     return {
-        "format": FORMAT,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "task": task.state_dict(),
         "step": pos.step,
@@ -135,7 +142,6 @@ def capture(
         "best": pos.best,
         "rng": rngs,
         "world_size": world_size,
-        **extra,
     }
 
 

@@ -154,9 +154,20 @@ class Task:
         """Return an LR scheduler stepped once per optimizer step, or None for ``train.schedule``."""
         return None
 
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        """``dist.strategy=fsdp``: the submodules sharded as one unit each (gathered for their forward and
+        backward, freed after), the model itself taking the rest. Default: every direct child holding
+        parameters; a transformer returns its blocks. Ignored under DDP."""
+        return default_units(model)
+
     def state_dict(self) -> dict[str, Any]:
         """The task's own state to checkpoint (tensors and plain values), beyond model and optimizer."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Every direct child of ``model`` that holds parameters (``Task.shard_units``' default)."""
+    return [child for child in model.children() if next(child.parameters(), None) is not None]

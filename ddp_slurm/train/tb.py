@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm.config import Config, ConfigError
+from ddp_slurm.runpaths import RunPaths
 
-SUBDIR = "tensorboard"
 _POSITION = ("kind", "step", "epoch", "time_s")
 
 
@@ -36,7 +36,7 @@ class TensorBoardWriter:
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
 
-        self.log_dir = Path(run_dir) / SUBDIR
+        self.log_dir = RunPaths(run_dir).tensorboard
         # One events file per launch, in one directory: TensorBoard shows a resumed run as one curve.
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
 

@@ -22,23 +22,13 @@ from pathlib import Path
 
 import pytest
 
+from ddp_slurm.distributed.slurm import ENDED_STATES
+
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "cluster"
 NODES = 4
 
-TERMINAL_STATES = frozenset(
-    {
-        "COMPLETED",
-        "FAILED",
-        "CANCELLED",
-        "TIMEOUT",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "BOOT_FAIL",
-        "DEADLINE",
-    }
-)
+TERMINAL_STATES = ENDED_STATES  # Slurm will not run the job again
 
 
 class SlurmError(RuntimeError):

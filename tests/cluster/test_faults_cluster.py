@@ -37,23 +37,16 @@ from typing import Any
 import helpers
 import pytest
 
+from ddp_slurm.bootstrap import expand_hostlist
+from ddp_slurm.distributed import badnodes
+from ddp_slurm.distributed.slurm import ENDED_STATES
 from ddp_slurm.train import checkpoint, metrics
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = str(REPO / "jobs" / "mnist_sample.yaml")
-TERMINAL = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-}
+TERMINAL = ENDED_STATES  # Slurm will not run the job again
 JOB_TIMEOUT_S = 600.0  # per job: generous for a shared, busy machine; never a timing assertion by itself
 EVERY = 10
 TRAIN = [
@@ -264,6 +257,29 @@ def run_killed_plain(d: Driver, name: str = "killed_plain", per_node: int = 2, v
     return {"job": job, "pid": pid, "node": node, "took": took}
 
 
+def run_lost_node(d: Driver) -> dict[str, Any]:
+    """2 nodes x 1 rank with requeue on: rank 1 is SIGKILLed. Rank 0 names its node, records it in the run
+    directory, requeues the job and excludes the node from it; released at once, the job resumes elsewhere."""
+    job = Job("lost_node", d.workdir)
+    script = d.workdir / "lost_node.sh"
+    train = [a for a in TRAIN if a != "slurm.requeue=false"]
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *train, "dist.timeout_s=30"]
+    text = PLAIN.format(per_node=1, python=sys.executable, sample=SAMPLE, args=" ".join(args))
+    script.write_text(text.replace("#SBATCH --nodes", "#SBATCH --requeue --nodes"))
+    d.submit(job, [str(script)])
+    pid, node, _, _ = kill_mid_training(d, job, rank=1)
+    first = d.wait_for(job, "the requeue", lambda: (i := d.cluster.job_info(job.job_id))["Restarts"] == "1" and i)
+    excluded = d.wait_for(
+        job, "the exclusion", lambda: d.cluster.job_info(job.job_id).get("ExcNodeList", "(null)").replace("(null)", "")
+    )
+    d.cluster.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], timeout=30)
+    d.wait_for(job, "the resumed run", lambda: len([r for r in job.rows() if r["kind"] == "start"]) == 2)
+    second = d.cluster.job_info(job.job_id)
+    d.cluster.run(["scancel", job.job_id], timeout=30)
+    d.finish(job)
+    return {"job": job, "node": node, "first": first, "excluded": excluded, "second": second}
+
+
 FEW_RANKS = """\
 #!/bin/bash
 #SBATCH --nodes=1 --ntasks=2 --cpus-per-task=1
@@ -316,6 +332,43 @@ def run_capped(d: Driver) -> dict[str, Any]:
     return {"job": job}
 
 
+def run_chained(d: Driver) -> dict[str, Any]:
+    """The project's script submitted with --no-requeue (a site that forbids requeueing) gets the stop
+    signal: `scontrol requeue` is refused, so rank 0 chains a successor job (slurm.requeue_mode=auto)
+    that starts once this one has ended and resumes the run."""
+    job = Job("chained", d.workdir)
+    d.submit(
+        job,
+        [
+            "--no-requeue",
+            "--nodes=1",
+            "--ntasks-per-node=1",
+            "--gpus-per-node=1",
+            "--cpus-per-task=1",
+            str(REPO / "sbatch" / "mnist_4node.sh"),
+            "--config",
+            SAMPLE,
+            f"run.output_root={d.workdir / 'runs'}",
+            f"run.name={job.name}",
+            *[a for a in TRAIN if a != "slurm.requeue=false"],
+        ],
+    )
+    d.wait_for(job, "a checkpoint", lambda: checkpoint.list_checkpoints(job.run_dir))
+    d.cluster.cancel(job.job_id, "--signal=USR2")
+    d.finish(job)
+    new = d.wait_for(job, "the chained job", lambda: (m := re.search(r"chained job (\d+)", job.text())) and m[1])
+    nxt = Job("chained", d.workdir, job_id=new)
+    d.jobs.append(nxt)
+    depends = d.cluster.job_info(new).get("Dependency", "")
+    try:
+        d.wait_for(nxt, "the resumed run", lambda: len([r for r in job.rows() if r["kind"] == "start"]) == 2)
+    except AssertionError as exc:  # the successor writes to the first job's log
+        raise AssertionError(f"{exc}\n--- the chain's log\n{job.text()[-5000:]}") from None
+    d.cluster.run(["scancel", new], timeout=30)
+    d.finish(nxt)
+    return {"job": job, "next": nxt, "depends": depends}
+
+
 @pytest.fixture(scope="module")
 def scenarios(slurm_cluster, tmp_path_factory) -> Iterator[dict[str, Future]]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("faults"))
@@ -325,6 +378,8 @@ def scenarios(slurm_cluster, tmp_path_factory) -> Iterator[dict[str, Future]]:
         "few_ranks": run_few_ranks,
         "capped": run_capped,
         "killed_store": lambda d: run_killed_plain(d, "killed_store", per_node=1, victim=0),
+        "lost_node": run_lost_node,
+        "chained": run_chained,
     }
     pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="fault-job")
     futures = {name: pool.submit(fn, d) for name, fn in plan.items()}
@@ -377,6 +432,30 @@ def test_rank_killed_without_kill_on_bad_exit_every_survivor_names_it(scenarios,
         ), line
     assert "Traceback" not in text, job.describe()
     assert out["took"] <= 30 + 30, f"the survivors took {out['took']:.0f} s to exit (dist.timeout_s=30)"
+    assert badnodes.excluded(job.run_dir) == [out["node"]]  # recorded (by each survivor), no requeue (requeue off)
+
+
+def test_a_lost_node_is_recorded_and_the_requeued_job_resumes_without_it(scenarios) -> None:
+    out = outcome(scenarios, "lost_node")
+    job, node = out["job"], out["node"]
+    assert badnodes.excluded(job.run_dir) == [node], job.describe()
+    assert out["excluded"] == node and out["first"]["Restarts"] == "1", (out, job.describe())
+    assert f"job {job.job_id} requeued without node(s) {node}" in job.text(), job.describe()
+    hosts = expand_hostlist(out["second"]["NodeList"])
+    assert node not in hosts and len(hosts) == 2, out["second"]
+    resumed = [r for r in job.rows() if r["kind"] == "start"][-1]
+    assert resumed["resumed"] and resumed["restart_count"] == 1, job.rows()[-3:]
+
+
+def test_where_requeue_is_refused_a_successor_job_is_chained_and_resumes(scenarios) -> None:
+    out = outcome(scenarios, "chained")
+    job, nxt = out["job"], out["next"]
+    text = job.text()  # the successor appends to the same log
+    assert f"scontrol requeue {job.job_id} failed" in text, job.describe()
+    assert out["depends"].startswith(f"afterany:{job.job_id}"), out
+    starts = [r for r in job.rows() if r["kind"] == "start"]
+    stop = next(r for r in job.rows() if r["kind"] == "stop")
+    assert starts[1]["resumed"] and starts[1]["step"] == stop["step"] and starts[1]["job_id"] == nxt.job_id, starts
 
 
 def test_rank_zero_killed_the_survivor_names_it_by_its_lost_store(scenarios, record_property) -> None:
@@ -396,6 +475,7 @@ def test_rank_zero_killed_the_survivor_names_it_by_its_lost_store(scenarios, rec
     ), line
     assert "Traceback" not in text, job.describe()
     assert out["took"] <= 30 + 30, f"the survivor took {out['took']:.0f} s to exit (dist.timeout_s=30)"
+    assert badnodes.excluded(job.run_dir) == [out["node"]]  # rank 0's node, recorded by rank 1
 
 
 def test_fewer_ranks_than_promised_time_out_naming_expected_and_arrived(scenarios) -> None:

@@ -39,6 +39,7 @@ import pytest
 
 from ddp_slurm import config
 from ddp_slurm.bootstrap import expand_hostlist
+from ddp_slurm.distributed.slurm import ENDED_STATES
 from ddp_slurm.tasks.mnist import data
 from ddp_slurm.train import checkpoint, loader
 
@@ -57,17 +58,7 @@ SAMPLE_STEPS = _SAMPLE_CFG.train.epochs * STEPS_PER_EPOCH
 # --time=2 --signal=USR2@60 it comes 30-60 s after a run starts. The time-limit job must still be
 # training then, also on a fast machine, hence a longer training than the default for that pair.
 LONG_EPOCHS = 25
-TERMINAL = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-}
+TERMINAL = ENDED_STATES  # Slurm will not run the job again
 JOB_TIMEOUT_S = 900.0  # per job, all its runs together: generous for 2 busy cores
 
 
@@ -410,3 +401,68 @@ def test_time_limit_signal_requeues_and_resumes_bit_identical(jobs):
     assert all(s["requeue"] for s in stops), stops  # each stop was the USR2 warning, so rank 0 requeued
     assert len(job_nodelists(job)) == len(stops) + 1  # --open-mode=append kept every run's output
     assert_same_weights(job, ref)
+
+
+# ---------------------------------------------------------------------------------------------- dist.strategy=fsdp
+# Three jobs of their own fixture (``-k fsdp`` runs only them), mlp for one epoch: FSDP2 over 4 nodes,
+# a SIGUSR2 + requeue that ends bit-identical to the run left alone, and a 4-rank sharded checkpoint
+# resumed by a 2-node job of the same run.
+FSDP = ["model.name=mlp", "dist.strategy=fsdp", "checkpoint.every_steps=10"]
+
+
+def run_usr2_then_two_nodes(d: Driver, job: Job) -> Job:
+    """4 nodes until SIGUSR2 (no requeue: ``slurm.requeue=false``), then the same run as a 2-node job."""
+    d.submit(job)
+    d.wait_for(job, "training", d.training_underway(job, restart=0))
+    d.cluster.cancel(job.job_id, "--signal=USR2")
+    d.finish(job)
+    job.sbatch_args = ["--nodes=2", *PER_NODE]
+    return d.finish(d.submit(job))
+
+
+@pytest.fixture(scope="module")
+def fsdp_jobs(slurm_cluster, tmp_path_factory) -> dict[str, Future]:
+    d = Driver(slurm_cluster, tmp_path_factory.mktemp("sbatch-fsdp"))
+    four_node = ["--nodes=4", *PER_NODE]
+    plan = {
+        "fsdp_ref": (run_plain, d.job("fsdp_ref", "mnist_4node.sh", four_node, FSDP, epochs=1)),
+        "fsdp_usr2": (run_scancel_usr2, d.job("fsdp_usr2", "mnist_4node.sh", four_node, FSDP, epochs=1)),
+        "fsdp_resize": (
+            run_usr2_then_two_nodes,
+            d.job("fsdp_resize", "mnist_4node.sh", four_node, [*FSDP, "slurm.requeue=false"], epochs=1),
+        ),
+    }
+    pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="slurm-fsdp-job")
+    futures = {}
+    for name, (scenario, job) in plan.items():
+        futures[name] = pool.submit(scenario, d, job)
+        time.sleep(0.5)
+    try:
+        yield futures
+    finally:
+        if not all(f.done() for f in futures.values()):
+            d.cancel_all()
+        pool.shutdown(wait=True)
+
+
+def test_fsdp_trains_on_4_nodes_and_requeue_ends_bit_identical(fsdp_jobs):
+    ref, job = result(fsdp_jobs, "fsdp_ref"), result(fsdp_jobs, "fsdp_usr2")
+    assert_completed(ref, restarts=0)
+    assert ref.rows("start")[0]["world_size"] == 4 and ref.rows("eval")[-1]["accuracy"] >= 0.85
+    assert (ref.run_dir / "checkpoints" / f"step-{ref.steps}" / "__3_0.distcp").exists()  # one shard per rank
+    assert_completed(job, restarts=1)
+    [stop] = assert_resumed_exactly(job)
+    assert stop["requeue"] is True
+    assert_same_weights(job, ref)
+
+
+def test_fsdp_checkpoint_of_4_ranks_resumes_on_2_nodes(fsdp_jobs):
+    job = result(fsdp_jobs, "fsdp_resize")
+    assert_completed(job)
+    starts, stops = job.rows("start"), job.rows("stop")
+    assert [s["world_size"] for s in starts] == [4, 2] and len(stops) == 1, job.describe()
+    assert stops[0]["requeue"] is True and 0 < stops[0]["step"] < job.steps  # USR2; slurm.requeue=false
+    assert starts[1]["resumed"] is True and starts[1]["step"] == stops[0]["step"]
+    assert "from a sharded checkpoint of world size 4" in job.log_text(), job.describe()
+    final = checkpoint.load_latest(job.run_dir)
+    assert final is not None and final["finished"] and final["world_size"] == 2

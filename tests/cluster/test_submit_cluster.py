@@ -233,8 +233,11 @@ def test_sweep_of_three_is_a_job_array_with_three_run_directories(slurm_cluster,
         assert f"lr: {float(value)}" in (run / "config.yaml").read_text()
         assert f"run {sub.job_id}_{task} (lr={value}): finished: 20 steps" in sub.res.stdout
     table = [line.split() for line in sub.res.stdout.splitlines() if line.startswith("lr=")]
-    assert [t[:4] for t in table] == [[f"lr={v}", v, "finished", "20"] for v in values]
+    # ranked best first by the task's metric (test accuracy, higher is better), whatever the manifest order
+    assert sorted(t[:4] for t in table) == sorted([f"lr={v}", v, "finished", "20"] for v in values)
     assert all(re.fullmatch(r"\d+\.\d\d%", t[4]) for t in table), table
+    bests = [float(t[5].rstrip("%")) for t in table]
+    assert bests == sorted(bests, reverse=True), table
 
 
 def test_a_submission_slurm_rejects_is_one_line_and_leaves_nothing(slurm_cluster, tmp_path) -> None:
@@ -243,4 +246,19 @@ def test_a_submission_slurm_rejects_is_one_line_and_leaves_nothing(slurm_cluster
     lines = sub.res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m ddp_slurm.submit: error: sbatch failed: "), lines
     assert "partition" in lines[0].lower()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_job_asking_for_no_gpu_on_gpu_nodes_is_warned_with_the_count(slurm_cluster, tmp_path) -> None:
+    """The test cluster's nodes have gpu:2 GRES: `--nodes 1` alone (a CPU job) is warned, naming the number
+    to add, from the partition's own GRES; asking for the GPUs is not warned. Nothing is submitted."""
+    cpu = submit(slurm_cluster, tmp_path, "--dry-run", "--nodes", "1", "--name", "cpu")
+    assert cpu.res.returncode == 0, cpu.res.stderr
+    want = f"gpu:{slurm_cluster.gpus_per_node}"
+    assert f"have GPUs (sinfo: {want}" in cpu.res.stderr, cpu.res.stderr
+    assert f"add --gpus-per-node {slurm_cluster.gpus_per_node} to train on them" in cpu.res.stderr
+    named = submit(slurm_cluster, tmp_path, "--dry-run", "--partition", slurm_cluster.partition, "--name", "p")
+    assert f"the nodes of partition {slurm_cluster.partition} have GPUs" in named.res.stderr, named.res.stderr
+    gpu = submit(slurm_cluster, tmp_path, "--dry-run", "--nodes", "1", "--gpus-per-node", "2", "--name", "gpu")
+    assert gpu.res.returncode == 0 and "warning" not in gpu.res.stderr, gpu.res.stderr
     assert not (tmp_path / "runs").exists()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ddp_slurm import errors
+
 log = logging.getLogger(__name__)
 
 MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics, as in pytorch/examples
@@ -28,8 +30,9 @@ _FILES = {
 }
 
 
-class DataError(RuntimeError):
-    """Missing or unreadable data; the message says where and what to do."""
+class DataError(errors.UsageError):
+    """Missing or unreadable data; the message says where and what to do (exit 2, one line: bad input,
+    found before the run directory is made)."""
 
 
 @dataclass
@@ -122,9 +125,13 @@ def ensure_mnist(root: Path, allow_download: bool, is_main: bool) -> None:
             f"`python -m ddp_slurm.data download --root {root}` on a login node"
         )
     log.info("downloading MNIST to %s", root)
+    new = [d for d in (root, root / "MNIST", root / "MNIST" / "raw") if not d.exists()]
     try:
         download(root)
     except Exception as exc:  # torchvision raises RuntimeError/URLError/OSError depending on the failure
+        for folder in reversed(new):  # a failed download leaves nothing behind (empty folders it made)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise DataError(
             f"could not download MNIST to {root} ({one_line(exc)}): run "
             f"`python -m ddp_slurm.data download --root {root}` on a machine with internet"

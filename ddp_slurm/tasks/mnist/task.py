@@ -56,6 +56,11 @@ class MNIST(Task):
                 f"train.global_batch_size={self.ctx.global_batch_size} is larger than the "
                 f"{self.config.data.source} training set ({size})"
             )
+        if self.config.data.source == "mnist" and not self.config.data.download:
+            try:  # missing and not to be downloaded: say so before anything starts
+                data.ensure_mnist(Path(self.config.data.root), allow_download=False, is_main=True)
+            except data.DataError as exc:
+                raise ConfigError(str(exc)) from None
 
     def prepare_data(self) -> None:
         if self.config.data.source == "mnist":

@@ -1,0 +1,128 @@
+"""Per-rank memory of DDP against FSDP2 (``dist.strategy``), side by side on the same model.
+
+``python -m ddp_slurm.bench memory --strategy ddp,fsdp --world N`` starts N local ranks per strategy
+(``ddp_slurm.bench.strategy_worker``): a stack of ``--depth`` linear blocks of ``--width`` (plus a head)
+trained with Adam a few steps, built as ``ddp_slurm.train`` builds it. Per rank it reports the bytes of
+parameters, gradients and optimizer state (the local shards under FSDP: what each rank holds), the
+peak memory (CUDA: ``max_memory_allocated``; CPU: peak RSS above the RSS before the model was built,
+which also counts FSDP's gathered units and the communication buffers), and the time per step.
+
+``fsdp_over_ddp`` = FSDP's model-state bytes on the rank holding most / DDP's: about ``1/N`` (the target
+is at most ``1/N + 0.1``); what it does not shard (buffers, activations) and the units it gathers
+show in the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ddp_slurm.bench import common
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", default="ddp,fsdp", help="strategies to compare, comma-separated (ddp,fsdp)")
+    p.add_argument("--world", type=int, default=2, help="local ranks (processes)")
+    p.add_argument("--width", type=int, default=1024, help="width of each linear block")
+    p.add_argument("--depth", type=int, default=8, help="linear blocks (each one FSDP unit)")
+    p.add_argument("--steps", type=int, default=5, help="steps timed after 2 warm-up steps")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a rank is given up")
+
+
+def strategies(text: str) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    if not chosen or any(s not in STRATEGIES for s in chosen):
+        raise common.BenchError(f"--strategy {text!r}: expected a comma-separated choice of {', '.join(STRATEGIES)}")
+    return chosen
+
+
+def run_ranks(
+    mode: str, strategy: str, world: int, threads: int, folder: Path, timeout: float, extra: list[str]
+) -> list[dict[str, Any]]:
+    """Every rank's JSON result of ``strategy_worker --mode mode``."""
+
+    def command(out: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "ddp_slurm.bench.strategy_worker",
+            "--mode",
+            mode,
+            "--strategy",
+            strategy,
+            "--out",
+            str(out),
+            *extra,
+        ]
+
+    outs = common.run_local_ranks(f"{mode} {strategy}", world, threads, folder, f"{mode}-{strategy}", timeout, command)
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
+    chosen = strategies(args.strategy)
+    if args.world < 1 or args.width < 1 or args.depth < 1 or args.steps < 1:
+        raise common.BenchError("--world, --width, --depth and --steps must be >= 1")
+    per_rank_threads = 1
+    extra = ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
+    with tempfile.TemporaryDirectory(prefix=".bench-memory-", dir=Path.cwd()) as tmp:
+        by = {s: run_ranks("memory", s, args.world, per_rank_threads, Path(tmp), args.timeout, extra) for s in chosen}
+    payload = common.header(
+        "memory", "cuda" if by[chosen[0]][0]["peak_kind"].startswith("cuda") else "cpu", per_rank_threads,
+        strategies=chosen, world=args.world, width=args.width, depth=args.depth, steps=args.steps,
+    )  # fmt: skip
+    summary = {}
+    for s, ranks in by.items():
+        summary[s] = {
+            "ranks": ranks,
+            "num_params": ranks[0]["num_params"],
+            "model_state_bytes": max(r["model_state_bytes"] for r in ranks),
+            "peak_bytes": max(r["peak_bytes"] for r in ranks),
+            "step_s": max(r["step_s"] for r in ranks),
+        }
+    payload["strategies"] = summary
+    if "ddp" in summary and "fsdp" in summary:
+        ddp, fsdp = summary["ddp"], summary["fsdp"]
+        payload["fsdp_over_ddp"] = fsdp["model_state_bytes"] / ddp["model_state_bytes"]
+        payload["fsdp_over_ddp_peak"] = fsdp["peak_bytes"] / max(ddp["peak_bytes"], 1)
+        payload["fsdp_over_ddp_step_time"] = fsdp["step_s"] / ddp["step_s"]
+        payload["target"] = 1 / args.world + 0.1
+    return payload
+
+
+def render(p: dict[str, Any]) -> str:
+    mib = 2**20
+    rows = []
+    for s, r in p["strategies"].items():
+        worst = max(r["ranks"], key=lambda x: x["model_state_bytes"])
+        rows.append(
+            [
+                s,
+                common.fmt(worst["param_bytes"] / mib, 1),
+                common.fmt(worst["grad_bytes"] / mib, 1),
+                common.fmt(worst["optimizer_bytes"] / mib, 1),
+                common.fmt(r["model_state_bytes"] / mib, 1),
+                common.fmt(r["peak_bytes"] / mib, 1),
+                common.fmt(r["step_s"] * 1e3, 1),
+            ]
+        )
+    params = p["params"]
+    first = next(iter(p["strategies"].values()))
+    notes = [f"{first['num_params']:,} parameters; peak: {first['ranks'][0]['peak_kind']}"]
+    if "fsdp_over_ddp" in p:
+        notes.append(
+            f"fsdp_over_ddp (model state per rank) = {p['fsdp_over_ddp']:.3f} (target <= 1/N + 0.1 = "
+            f"{p['target']:.3f}); peak {p['fsdp_over_ddp_peak']:.2f}x, step time {p['fsdp_over_ddp_step_time']:.2f}x"
+        )
+    return common.table(
+        f"memory per rank, {params['world']} rank(s), {params['depth']} blocks of width {params['width']}",
+        ["strategy", "params MiB", "grads MiB", "optimizer MiB", "model state MiB", "peak MiB", "step ms"],
+        rows,
+        notes,
+    )

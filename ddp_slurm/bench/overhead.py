@@ -1,0 +1,187 @@
+"""``bench overhead``: the real training loop against a bare PyTorch loop, same model, data, optimizer, batch.
+
+  ddp_slurm  ``ddp_slurm.run`` in this process, the whole runtime as a user gets it: the entry point, a
+             process group of one, the watchdog, the stop vote after every step, the loss window and
+             its log line every ``train.log_every_steps`` (20), the progress display, and checkpoints
+             at the default cadence (every 100 steps, asynchronous). Its rate is the one its own
+             ``train`` rows in metrics.jsonl give, over every row after the first (the warm-up), so
+             the saves in between are counted; the task is the MNIST one on the bundled sample,
+             repeated so that one epoch holds the whole run (an evaluation every 39 steps would
+             measure the evaluation), without evaluation data.
+  bare       the loop a user writes by hand in 20 lines (``bare_loop`` below): the same model, the
+             same uint8 images resident on the device and normalised per batch, the same per-epoch
+             order, Adam (fused) with the same one-cycle schedule and batch, one host sync at the end.
+
+The two alternate (ddp_slurm, bare, ddp_slurm, bare, ...), because the speed of a shared machine drifts
+over seconds; ``ratio`` is the median over pairs of ddp_slurm / bare samples/s. Targets: >= 0.95 on
+CPU, >= 0.97 for the cnn at batch 128 on a GPU. ``--cuda-graphs`` runs ddp_slurm with
+``train.cuda_graphs=true`` (docs/gpu.md): the ratio is then the graphed loop's speed-up over the bare one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ddp_slurm.bench import common
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.tasks.mnist import MNIST, data, models
+from ddp_slurm.train.task import Tensors
+
+LOG_EVERY = 20  # train.log_every_steps's default: the ddp_slurm rate is read from these rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when there is a GPU")
+    p.add_argument("--model", choices=models.MODELS, default="cnn")
+    p.add_argument("--batch", type=int, default=128, help="batch (default 128)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="measured steps per run, a multiple of 20 (default: 200 cpu, 2000 cuda)"
+    )
+    p.add_argument("--pairs", type=int, default=3, help="ddp_slurm/bare pairs (default 3)")
+    p.add_argument("--cuda-graphs", action="store_true", help="ddp_slurm with train.cuda_graphs=true")
+
+
+def _repeats(steps: int, batch: int) -> int:
+    """How often the sample is repeated so that one epoch holds warm-up and measured steps."""
+    return math.ceil((steps + LOG_EVERY) * batch / data.TRAIN_SIZES["sample"]) + 1
+
+
+class LongSample(MNIST):
+    """The MNIST task on the bundled sample repeated ``DDP_SLURM_BENCH_REPEATS`` times, no evaluation."""
+
+    def train_data(self) -> Tensors:
+        images, labels = super().train_data().tensors
+        times = int(os.environ.get("DDP_SLURM_BENCH_REPEATS", "1"))
+        return Tensors(images.repeat(times, 1, 1), labels.repeat(times))
+
+    def eval_data(self) -> None:
+        return None
+
+
+def ddp_slurm_loop(args: argparse.Namespace, steps: int, root: Path, index: int, device: torch.device) -> float:
+    """samples/s of one ``ddp_slurm.run`` (train rows after the first, saves included)."""
+    import ddp_slurm
+
+    name = f"overhead-{index}"
+    overrides = [
+        f"model.name={args.model}",
+        f"train.global_batch_size={args.batch}",
+        f"train.max_steps={steps + LOG_EVERY}",
+        f"train.log_every_steps={LOG_EVERY}",
+        f"train.cuda_graphs={'true' if args.cuda_graphs else 'false'}",
+        f"run.output_root={root}",
+        f"run.name={name}",
+    ]
+    code = ddp_slurm.run(LongSample, overrides)
+    if code != 0:
+        raise common.BenchError(f"the ddp_slurm run exited {code} (its log is above): {' '.join(overrides)}")
+    rows = [json.loads(line) for line in RunPaths(root / name).metrics.read_text().splitlines()]
+    rows = [r for r in rows if r["kind"] == "train"]
+    first, last = rows[0], rows[-1]
+    return (last["step"] - first["step"]) * args.batch / (last["time_s"] - first["time_s"])
+
+
+def bare_loop(model_name: str, batch: int, steps: int, repeats: int, device: torch.device) -> float:
+    """samples/s of a plain PyTorch loop on the same data, model, optimizer, schedule and batch."""
+    train = data.load_sample(train=True)
+    images = train.images.repeat(repeats, 1, 1).to(device)
+    labels = train.labels.repeat(repeats).to(device)
+    torch.manual_seed(0)
+    model = models.build(model_name).to(device)
+    lr, total = 4e-3, steps + LOG_EVERY
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=lr, total_steps=total, pct_start=0.25, cycle_momentum=False
+    )
+    order = torch.randperm(len(labels), device=device)
+
+    def train_steps(first: int, count: int) -> torch.Tensor:
+        for i in range(first, first + count):
+            index = order[i * batch : (i + 1) * batch]
+            loss = F.cross_entropy(model(data.normalize(images[index])), labels[index])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+        return loss
+
+    train_steps(0, LOG_EVERY).item()  # warm-up, as the ddp_slurm rate leaves its first window out
+    start = time.perf_counter()
+    train_steps(LOG_EVERY, steps).item()
+    return steps * batch / (time.perf_counter() - start)
+
+
+def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the runtime would take a GPU it sees; CUDA is not initialised yet
+    device = common.resolve_device(args.device)
+    if device.type == "cpu" and torch.cuda.is_available():
+        raise common.BenchError("--device cpu, but CUDA was initialised before: run with CUDA_VISIBLE_DEVICES=")
+    if args.cuda_graphs and device.type != "cuda":
+        raise common.BenchError("--cuda-graphs needs --device cuda (CUDA graphs are a GPU feature)")
+    steps = args.steps if args.steps is not None else (2000 if device.type == "cuda" else 200)
+    if steps < LOG_EVERY or steps % LOG_EVERY or args.batch < 1 or args.pairs < 1:
+        raise common.BenchError(
+            f"--steps {steps} --batch {args.batch} --pairs {args.pairs}: expected steps a multiple of "
+            f"{LOG_EVERY}, batch and pairs >= 1"
+        )
+    repeats = _repeats(steps, args.batch)
+    os.environ["DDP_SLURM_BENCH_REPEATS"] = str(repeats)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the runtime sets its threads from it, as under a launcher
+    ours, bare, ratios = [], [], []
+    with tempfile.TemporaryDirectory(prefix="ddp_slurm-overhead-") as tmp:
+        for i in range(args.pairs):
+            ours.append(ddp_slurm_loop(args, steps, Path(tmp), i, device))
+            torch.set_num_threads(threads)
+            bare.append(bare_loop(args.model, args.batch, steps, repeats, device))
+            ratios.append(ours[-1] / bare[-1])
+    payload = common.header(
+        "overhead",
+        device,
+        threads,
+        model=args.model,
+        batch=args.batch,
+        steps=steps,
+        pairs=args.pairs,
+        cuda_graphs=args.cuda_graphs,
+    )
+    payload.update(
+        {
+            "ddp_slurm_samples_per_s": common.summary(ours),
+            "bare_samples_per_s": common.summary(bare),
+            "ratio_per_pair": common.summary(ratios),
+            "ratio": common.summary(ratios)["median"],
+        }
+    )
+    return payload
+
+
+def render(p: dict[str, Any]) -> str:
+    q = p["params"]
+    ours = "ddp_slurm (train.cuda_graphs)" if q["cuda_graphs"] else "ddp_slurm"
+    title = (
+        f"bench overhead: {q['model']}, batch {q['batch']}, {p['device']}, {p['threads']} thread(s); "
+        f"{q['pairs']} pair(s) of {q['steps']} steps, alternating"
+    )
+    rows = [
+        [ours, *common.fmt_spread(p["ddp_slurm_samples_per_s"])],
+        ["bare PyTorch loop", *common.fmt_spread(p["bare_samples_per_s"])],
+    ]
+    r = p["ratio_per_pair"]
+    notes = [
+        f"ratio {p['ratio']:.3f} (median over pairs of ddp_slurm / bare samples/s; {r['min']:.3f}-{r['max']:.3f})",
+        "ddp_slurm: the whole runtime (vote, loss window, progress, watchdog, a checkpoint every 100 steps), "
+        "rate from its own metrics rows after the first; bare: the same model, data, Adam and schedule by hand",
+        f"load average {p['machine']['load_average_1m']}",
+    ]
+    return common.table(title, ["loop", "samples/s", "min-max", "spread"], rows, notes)

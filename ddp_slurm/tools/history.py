@@ -1,0 +1,136 @@
+"""A run's history as ``metrics.jsonl`` tells it, read back for ``report`` and its figures.
+
+Each launch writes a ``start`` line at the step it resumed from; steps after that point logged by an
+earlier launch were redone, so they are dropped and the later launch's values kept. Every line is
+checked against the fields this program writes: another file is refused with the line that shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import reprlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_slurm import config
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.tools import tracked
+
+
+class ReportError(RuntimeError):
+    """Nothing to report on (no run directory or no metrics); the message is one line."""
+
+
+@dataclass
+class RunHistory:
+    """A run's metrics with redone steps resolved: the latest launch's values win."""
+
+    run_dir: Path
+    batch_size: int | None  # train.global_batch_size from config.yaml (None: x axes in steps)
+    train: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    stops: list[dict[str, Any]] = field(default_factory=list)
+    last: dict[str, Any] | None = None  # the last complete line of the file
+    ended: bool = False  # an `end` line after the last start
+    metric: tracked.Tracked = field(default_factory=lambda: tracked.Tracked(None))  # the task's best_metric
+    steps_per_epoch: int | None = None  # from the start lines (None: written before they said)
+
+    def samples(self, step: int) -> int:
+        return step * (self.batch_size or 1)
+
+
+def read_history(run_dir: Path) -> RunHistory:
+    """A run directory's metrics.jsonl, with redone steps resolved; ReportError when there is nothing to read."""
+    path = RunPaths(run_dir).metrics
+    if not path.is_file():
+        raise ReportError(f"{path} does not exist: pass a run directory (runs/<run.name>) that has started training")
+    try:
+        batch: int | None = config.read_resolved(RunPaths(run_dir).config).train.global_batch_size
+    except Exception:  # an old or hand-edited config: plot against steps instead of samples
+        batch = None
+    run = RunHistory(run_dir, batch)
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    for row in _rows(path):
+        kind, step = row["kind"], row["step"]
+        run.last = row
+        if kind == "start":
+            # Resumed at `step`: whatever an earlier launch logged after it was redone (or never
+            # checkpointed); drop it so that the later launch's numbers stand.
+            for seen in (train, evals):
+                for s in [s for s in seen if s > step]:
+                    del seen[s]
+            run.starts.append(row)
+            run.ended = False
+        elif kind == "train" and "loss" in row:
+            train[step] = {**row, "launch": len(run.starts)}  # which launch logged it: throughput per launch
+        elif kind == "eval":
+            evals[step] = row
+        elif kind == "stop":
+            run.stops.append(row)
+        elif kind == "end":
+            run.ended = True
+    if run.last is None:
+        raise ReportError(f"{path} holds no complete line yet: run the report again once training has started")
+    run.train = [train[s] for s in sorted(train)]
+    run.evals = [evals[s] for s in sorted(evals)]
+    run.metric = tracked.from_rows(run.starts, run.evals)
+    run.steps_per_epoch = next((r["steps_per_epoch"] for r in reversed(run.starts) if r.get("steps_per_epoch")), None)
+    return run
+
+
+def eval_metrics(run: RunHistory) -> list[str]:
+    """The run's eval metrics, the tracked one first."""
+    names = tracked.eval_metrics(run.evals)
+    first = [run.metric.name] if run.metric.name in names else []
+    return first + [n for n in names if n not in first]
+
+
+# Fields a metrics line may have, and their types: anything else is not a file this program wrote.
+_NUMBER = (int, float)
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "kind": (str,),
+    "step": (int,),
+    "epoch": (int,),
+    "time_s": _NUMBER,
+    "loss": _NUMBER,
+    "samples_per_s": _NUMBER,
+    "accuracy": _NUMBER,
+    "world_size": (int,),
+    "restart_count": (int,),
+    "launch": (int,),
+    "steps_per_epoch": (int,),
+}
+
+
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``, each checked: a line that is not a JSON object with the documented
+    fields and types is a ReportError naming the line (a half-written last line is skipped)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise ReportError(f"{path} cannot be read: {exc.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue  # a half-written line (a run still going, or killed)
+        where = f"{path} line {number}"
+        if not isinstance(row, dict):
+            raise ReportError(
+                f"{where} is a JSON {type(row).__name__}, not an object: not a metrics file of this program"
+            )
+        for key, types in _FIELDS.items():
+            value = row.get(key)
+            if (key in ("kind", "step") or value is not None) and (
+                not isinstance(value, types) or isinstance(value, bool)
+            ):
+                raise ReportError(
+                    f"{where}: {key!r} is {reprlib.repr(value)}, expected {' or '.join(t.__name__ for t in types)}; "
+                    "not a metrics file of this program"
+                )
+        yield row

@@ -1,0 +1,122 @@
+"""Gradient accumulation and clipping: ``train.accumulate`` and ``train.grad_clip``.
+
+One optimizer step takes the rank's whole share of the global batch (``global_batch_size / world_size``
+samples, the loader's batch) and splits it into ``accumulate`` micro-batches along the first dimension.
+Each micro-batch runs forward and backward with its loss divided by ``accumulate``, so the summed
+gradient is the gradient of the mean loss over the rank's share, as with one batch. Gradients cross
+ranks only after the last micro-batch (DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``): the
+communication per optimizer step stays what it was. The data order, the position and the stop vote
+count optimizer steps, so a stop always lands between two of them and a resume is exact.
+
+Clipping scales every gradient by ``min(1, grad_clip / norm)`` where ``norm`` is the L2 norm over all
+gradients of the model (torch's ``clip_grad_norm_``, which reduces over the shards of FSDP's DTensors),
+and records that norm for the ``grad_norm`` figure of the ``train`` lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def split(batch: Any, n: int) -> list[Any]:
+    """``batch`` (a tensor, or a tuple/list/dict of them, nested) as ``n`` micro-batches of equal size."""
+    if isinstance(batch, torch.Tensor):
+        size = batch.shape[0]
+        if size % n:
+            raise ValueError(f"a batch of {size} samples does not split into train.accumulate={n} micro-batches")
+        return list(batch.split(size // n))
+    if isinstance(batch, (list, tuple)):
+        parts = [split(b, n) for b in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(n)]
+    if isinstance(batch, dict):
+        parts_by_key = {k: split(v, n) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts_by_key.items()} for i in range(n)]
+    return [batch] * n  # a plain value (a flag, a string) rides along with every micro-batch
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward without crossing ranks: gradients only accumulate locally (DDP, FSDP2, or a bare model)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    fsdp = getattr(model, "set_requires_gradient_sync", None)
+    if fsdp is None:  # one process: nothing to synchronise
+        yield
+        return
+    fsdp(False)
+    try:
+        yield
+    finally:
+        fsdp(True)
+
+
+def clip(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to ``max_norm`` (global L2 norm); returns the norm before clipping, a plain
+    0-d tensor on the device (the same on every rank). No host sync."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    full = getattr(norm, "full_tensor", None)  # FSDP: a DTensor, reduced over the shards
+    return full() if full is not None else norm
+
+
+class AccumulatingStep:
+    """``step(batch) -> loss`` with accumulation and/or clipping; ``grad_norm`` after each call (clipping on)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loss_of: Callable[[nn.Module, Any], torch.Tensor],
+        cast: contextlib.AbstractContextManager,
+        accumulate: int,
+        grad_clip: float | None,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler, self.loss_of, self.cast = model, optimizer, scheduler, loss_of, cast
+        self.accumulate, self.grad_clip = accumulate, grad_clip
+        self.grad_norm: torch.Tensor | None = None
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        n = self.accumulate
+        micro = split(batch, n) if n > 1 else [batch]
+        self.optimizer.zero_grad(set_to_none=True)
+        total: torch.Tensor | None = None
+        for i, part in enumerate(micro):
+            with contextlib.nullcontext() if i == n - 1 else no_sync(self.model):
+                with self.cast:
+                    loss = self.loss_of(self.model, part)
+                (loss / n if n > 1 else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self.grad_clip is not None:
+            self.grad_norm = clip(self.model, self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        assert total is not None
+        return total / n if n > 1 else total
+
+
+class NormWindow:
+    """The gradient norm (before clipping) averaged over the steps of one ``train`` line; on the device."""
+
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None
+        self.n = 0
+
+    def add(self, norm: torch.Tensor | None) -> None:
+        if norm is not None:
+            self.sum = norm.detach().float() if self.sum is None else self.sum + norm.detach().float()
+            self.n += 1
+
+    def close(self) -> dict[str, float]:
+        """``{"grad_norm": mean}`` for the window (empty without clipping); starts the next window."""
+        if self.sum is None:
+            return {}
+        out = {"grad_norm": self.sum.item() / max(self.n, 1)}
+        self.sum, self.n = None, 0
+        return out

@@ -1,0 +1,422 @@
+"""Atomic, verifiable checkpoints: ``<run_dir>/checkpoints/step-<N>.pt``.
+
+Writing: rank 0 serialises to a temporary file in the same directory, flushes and fsyncs it,
+``os.replace``s it into place and fsyncs the directory, so a reader (or a relaunch after SIGKILL)
+sees either the previous set of checkpoints or the new one, never half a file. Only then are old
+ones pruned to ``keep``.
+
+Sealing (format 4, ``ckpt_seal``): a hash of every byte of the file (XXH3-128 of 16 MiB slices),
+computed while the bytes are written and appended as a trailer. A zip container does not notice a
+flipped bit inside tensor data (nor in the pickled step or epoch); the seal does. Format 3 sealed
+with SHA-256 the same way; formats 1 and 2 kept a digest of the tensors and plain values inside the
+pickle (``content_digest``), which had to be computed before the write began. All four load.
+
+Reading: the seal first, then ``torch.load(weights_only=True)`` (a tampered file cannot run code) of the
+same open file, then a structural check.
+``latest`` walks from the newest step down and returns the first checkpoint that passes, holds the
+step its name says and is accepted by the run (``accept``: same config, same model, every entry the
+loop needs), warning about each one it skips. Pruning counts only files that load and hold the step
+their name says; anything else in the folder is left alone.
+
+torch's own CRC-32 of each zip record is switched off when saving: the seal already covers every byte
+the CRC would, torch.load does not check it, and computing it cost a third of the save (0.2 s per
+512 MiB, as much as the write itself).
+
+What the seal does not do: it has no key, so anyone who can write the folder can write a file
+that passes. Checkpoints written by other users are kept out by ownership and modes
+(``safefs.check_trusted``), not by the seal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.serialization import config as torch_serialization
+
+from ddp_slurm import safefs
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.train.checkpoint import fit
+from ddp_slurm.train.checkpoint import seal as ckpt_seal
+from ddp_slurm.train.checkpoint.seal import Cancelled
+
+log = logging.getLogger(__name__)
+
+FORMAT = 4  # 4, 3: sealed (ckpt_seal: XXH3, SHA-256); 2: the digest inside the pickle; 1: also an older layout
+READABLE_FORMATS = (1, 2, 3, 4)
+SEALED_BY = {3: ckpt_seal.SHA256, 4: ckpt_seal.XXH3}  # the formats sealed by a trailer, and the seal each needs
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+REQUIRED = {
+    "format": int,
+    "model": dict,
+    "step": int,
+    "epoch": int,
+    "finished": bool,
+}
+
+
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none can be used, or one cannot be written. One line, names the files."""
+
+
+class UnsafeCheckpoint(CheckpointError, safefs.UnsafePath):
+    """A checkpoint (or its folder) someone else could have written: refused for resume like any
+    ``safefs.UnsafePath`` (a usage problem, exit 2), and still a CheckpointError for callers of ``latest``."""
+
+
+class NoneFits(CheckpointError):
+    """Checkpoints exist, whole, but none fits this run's structure (``fit``): a usage problem, exit 2."""
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return RunPaths(run_dir).checkpoints
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-N.pt``, newest first."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested state, with a stable path, in a stable order."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _tensors(obj[key], f"{prefix}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _tensors(item, f"{prefix}/{i}")
+
+
+def _skeleton(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a marker: the plain values (step, epoch, config, ...)."""
+    if isinstance(obj, torch.Tensor):
+        return "<tensor>"
+    if isinstance(obj, dict):
+        return [(str(key), _skeleton(obj[key])) for key in sorted(obj, key=str)]
+    if isinstance(obj, (list, tuple)):
+        return [_skeleton(item) for item in obj]
+    return obj
+
+
+def content_digest(state: dict[str, Any]) -> str:
+    """The digest formats 1 and 2 kept in ``state["content_sha256"]``: SHA-256 over the names, dtypes,
+    shapes and bytes of every tensor outside that field, and over every plain value."""
+    h = hashlib.sha256()
+    body = {k: v for k, v in state.items() if k != "content_sha256"}
+    for name, t in _tensors(body):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # no copy; hashlib drops the GIL
+    h.update(repr(_skeleton(body)).encode())
+    return h.hexdigest()
+
+
+def file_name(step: int | str) -> str:
+    """A checkpoint's file name: ``step-<N>.pt`` (``step`` may be a glob, ``"*"``)."""
+    return RunPaths(".").checkpoint(step).name
+
+
+def save(
+    run_dir: Path,
+    state: dict[str, Any],
+    keep: int,
+    shared: bool = False,
+    cancel: threading.Event | None = None,
+) -> Path:
+    """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
+
+    The temporary file is created exclusively under an unguessable name and never through a symlink
+    (``safefs.write_atomic``); ``shared``: ``run.shared`` (file and directory modes).
+    Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
+    the disk fills up; a half-written temporary file is removed. ``cancel`` (another thread sets it):
+    the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind.
+    """
+    folder = checkpoint_dir(run_dir)
+    final = folder / file_name(state["step"])
+    state = {k: v for k, v in state.items() if k != "content_sha256"} | {"format": FORMAT}
+    sinks: list[ckpt_seal.Sink] = []
+
+    def write(f: Any) -> None:
+        sink = ckpt_seal.Sink(f, cancel)
+        sinks.append(sink)
+        with torch_serialization.patch({"save.compute_crc32": False}):
+            torch.save(state, sink)
+        if cancel is not None and cancel.is_set():  # before the fsync: the dirty pages go unwritten
+            raise Cancelled
+        sink.seal()
+
+    try:
+        safefs.make_dir(folder, shared)
+        safefs.write_atomic(final, write, shared)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        if cancel is not None and cancel.is_set():
+            raise Cancelled from None
+        exc = sinks[0].error if sinks and sinks[0].error is not None else exc
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise CheckpointError(
+            f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
+            "free space or fix permissions, then launch again to resume"
+        ) from None
+    prune(run_dir, keep, final)
+    return final
+
+
+def _summary(path: Path) -> tuple[int, Any, dict[str, tuple[int, ...]]]:
+    """(step, recorded config, model shapes) of a checkpoint file, read cheaply (memory-mapped, no tensor
+    data touched); ValueError when it does not load as a checkpoint at all."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise ValueError(f"unreadable ({type(exc).__name__})") from None
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("step"), int)
+        or not isinstance(state.get("model"), dict)
+    ):
+        raise ValueError("not a checkpoint of this program")
+    shapes = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    return state["step"], state.get("config"), shapes
+
+
+def _foreign(config_of: Any, shapes: dict[str, tuple[int, ...]], ours: tuple[Any, Any]) -> str | None:
+    """Why a checkpoint is not one that a resume of the run that wrote ``ours`` (config, shapes) would
+    accept (``same_config``, ``same_model``), or None."""
+    from ddp_slurm import config
+
+    our_config, our_shapes = ours
+    if shapes != our_shapes:
+        return "it holds another model"
+    if isinstance(our_config, dict):
+        if not isinstance(config_of, dict):
+            return "it records no config"
+        try:
+            diffs = config.incompatible_changes(
+                config.from_dict(config_of, "the checkpoint"), config.from_dict(our_config, "the run")
+            )
+        except config.ConfigError:
+            return "its config is not valid here"
+        if diffs:
+            return f"written by a run with another config ({'; '.join(diffs)})"
+    return None
+
+
+def prune(run_dir: Path, keep: int, newest: Path | None = None) -> None:
+    """Delete all but the ``keep`` newest checkpoints, ranked by the step *inside* each file.
+
+    Only files that a resume of this run would accept are counted or deleted: they load as checkpoints,
+    their in-file step matches their name, and their config and model are those of ``newest`` (the file
+    just written: this run's). A junk ``step-999999999.pt`` (another tool's file, a half-finished copy)
+    or another run's valid checkpoint with a higher step would otherwise take a slot and get this run's
+    checkpoints deleted. Such files are left alone with a warning. ``newest`` is never deleted. (The
+    seal is not read here: that would read every kept file in full at each save.)
+    """
+    ours: tuple[Any, Any] | None = None
+    if newest is not None:
+        try:
+            _, our_config, our_shapes = _summary(newest)
+            ours = (our_config, our_shapes)
+        except ValueError:
+            ours = None
+    trusted: list[tuple[int, Path]] = []
+    for step, path in list_checkpoints(run_dir):
+        try:
+            inside, config_of, shapes = _summary(path)
+        except ValueError as exc:
+            log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, exc)
+            continue
+        if inside != step:
+            log.warning("leaving %s alone (not counted for checkpoint.keep): it holds step %d", path, inside)
+            continue
+        why = _foreign(config_of, shapes, ours) if ours is not None and path != newest else None
+        if why is not None:
+            log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, why)
+            continue
+        trusted.append((step, path))
+    trusted.sort(key=lambda item: (item[1] == newest, item[0]), reverse=True)
+    for _, old in trusted[keep:]:
+        old.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Temporary files left by a writer that was killed mid-save (never valid checkpoints)."""
+    folder = checkpoint_dir(run_dir)
+    if folder.is_dir():
+        for p in folder.glob(safefs.temp_pattern(file_name("*"))):
+            p.unlink(missing_ok=True)
+
+
+def validate(state: Any, sealed: ckpt_seal.Scheme | None = None) -> None:
+    """Raise ValueError if ``state`` is not a complete, untampered checkpoint. ``sealed``: the seal its
+    file carries and passed (``ckpt_seal.check``); formats 3 and 4 need theirs (``SEALED_BY``), formats 1
+    and 2 carry their own digest."""
+    if not isinstance(state, dict):
+        raise ValueError(f"not a checkpoint (a {type(state).__name__})")
+    for key, tp in REQUIRED.items():
+        if not isinstance(state.get(key), tp):
+            raise ValueError(f"missing or wrong-typed {key!r}")
+    if state["format"] not in READABLE_FORMATS:
+        raise ValueError(f"format {state['format']} (this version reads formats {READABLE_FORMATS})")
+    if state["format"] in SEALED_BY:
+        if sealed is not SEALED_BY[state["format"]]:
+            raise ValueError("no digest at the end of the file (cut short, or rewritten by another program)")
+    elif not isinstance(state.get("content_sha256"), str) or content_digest(state) != state["content_sha256"]:
+        raise ValueError("content digest mismatch (corrupted data)")
+    for name, t in _tensors(state["model"]):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"non-finite values in model tensor {name}")
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load and validate one checkpoint; ValueError with the reason when it is unusable."""
+    try:
+        with open(path, "rb") as f:  # one open file for the seal and the load: never a seal of another file
+            sealed = ckpt_seal.check(f)
+            f.seek(0)
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except ckpt_seal.Mismatch:
+        raise
+    except Exception as exc:  # truncated zip, garbage, pickle with code in it, a read error, ...
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"unreadable ({type(exc).__name__}: {reason})") from None
+    validate(state, sealed)
+    return state
+
+
+def raise_none_usable(run_dir: Path, found: list[Path]) -> None:
+    """CheckpointError: ``found`` (files or sharded folders) all failed to load; never start over on top of them."""
+    names = ", ".join(p.name for p in found)
+    raise CheckpointError(
+        f"no usable checkpoint in {checkpoint_dir(run_dir)} ({names} all failed to load); "
+        "refusing to start over: move them away or choose a new run.name"
+    )
+
+
+def latest(
+    run_dir: Path, accept: Callable[[dict[str, Any]], None] | None = None, shared: bool = False
+) -> tuple[Path, dict[str, Any]] | None:
+    """``(path, state)`` of the newest checkpoint that loads, validates, holds the step its name says and
+    passes ``accept``; None when there is none. Each one skipped is named in a warning.
+
+    ``accept(state)`` is the run's own judgement (its config, the model's keys and shapes, the entries
+    the loop needs) and raises ValueError to skip the file: a copied or symlinked checkpoint of another
+    run then falls back to the previous valid one instead of being resumed or crashing the loop.
+    Before anything is read, the checkpoints folder and every file must pass ``safefs.check_trusted``
+    (``shared``: ``run.shared``); otherwise CheckpointError naming the file and the fix.
+
+    Raises CheckpointError when checkpoints exist but none is usable: starting over silently would
+    throw away the run's finished work.
+    """
+    candidates = list_checkpoints(run_dir)
+    try:
+        if candidates:
+            safefs.check_trusted(checkpoint_dir(run_dir), shared)
+        for _, path in candidates:
+            safefs.check_trusted(path, shared)
+    except safefs.UnsafePath as exc:
+        raise UnsafeCheckpoint(str(exc)) from None
+    unfit: list[str] = []
+    for step, path in candidates:
+        try:
+            state = load(path)
+            if state["step"] != step:
+                raise ValueError(f"it holds step {state['step']}, not the step its name says")
+            if accept is not None:
+                accept(state)
+            _say_owner(path)
+            return path, state
+        except ValueError as exc:
+            log.warning("skipping checkpoint %s: %s", path, exc)
+            if isinstance(exc, fit.DoesNotFit):
+                unfit.append(f"{path}: {exc}")
+    if candidates and len(unfit) == len(candidates):
+        more = f" (and {len(unfit) - 1} more that do not fit)" if len(unfit) > 1 else ""
+        raise NoneFits(
+            f"no checkpoint fits this run: {unfit[0]}{more}; launch with the task's optimizer and schedule as they "
+            "were, or choose a new run.name"
+        )
+    if candidates:
+        raise_none_usable(run_dir, [p for _, p in candidates])
+    return None
+
+
+def _say_owner(path: Path) -> None:
+    """A team run (``run.shared``) may resume a teammate's checkpoint: say whose, so it is never a surprise."""
+    import pwd
+
+    uid = path.stat().st_uid
+    if uid != os.geteuid():
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            name = "an unknown user"
+        log.warning("resuming from %s, written by %s (uid %d), not by you (run.shared)", path, name, uid)
+
+
+def require(*keys: str) -> Callable[[dict[str, Any]], None]:
+    """An ``accept`` for ``latest``: the state must hold each of ``keys`` (``"optimizer"``, ``"rng"``)."""
+
+    def accept(state: dict[str, Any]) -> None:
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ValueError(f"no {', '.join(map(repr, missing))} in it")
+
+    return accept
+
+
+def same_model(reference: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """An ``accept`` for ``latest``: the checkpoint's model has exactly the keys and tensor shapes of
+    ``reference`` (the freshly built model's ``state_dict()``)."""
+    want = {k: tuple(v.shape) for k, v in reference.items() if isinstance(v, torch.Tensor)}
+
+    def accept(state: dict[str, Any]) -> None:
+        got = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+        if got.keys() != want.keys():
+            extra, lost = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
+            raise ValueError(f"another model (keys only there: {extra[:3]}, keys missing: {lost[:3]})")
+        for k, shape in want.items():
+            if got[k] != shape:
+                raise ValueError(f"another model ({k} has shape {list(got[k])}, this model {list(shape)})")
+
+    return accept
+
+
+def same_config(cfg: Any) -> Callable[[dict[str, Any]], None]:
+    """An ``accept`` for ``latest``: the checkpoint's own config (``state["config"]``) may differ from
+    ``cfg`` only where a relaunch may (``config.incompatible_changes``, the same rule)."""
+    from ddp_slurm import config
+
+    def accept(state: dict[str, Any]) -> None:
+        saved = state.get("config")
+        if not isinstance(saved, dict):
+            raise ValueError("it records no config")
+        try:
+            diffs = config.incompatible_changes(config.from_dict(saved, "the checkpoint"), cfg)
+        except config.ConfigError as exc:
+            raise ValueError(f"its config is not valid here ({exc})") from None
+        if diffs:
+            raise ValueError(f"written by a run with another config ({'; '.join(diffs)})")
+
+    return accept
+
+
+def all_of(*checks: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """Several ``accept`` callables as one, run in order."""
+
+    def accept(state: dict[str, Any]) -> None:
+        for check in checks:
+            check(state)
+
+    return accept

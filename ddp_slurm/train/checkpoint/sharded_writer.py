@@ -1,0 +1,157 @@
+"""Every rank's side of writing sharded checkpoints (``dist.strategy=fsdp``): DCP writes this rank's shards
+(in the background with ``checkpoint.async``) into a partial folder, seals the files it wrote, and rank 0
+commits the folder once every rank's part is durable (``sharded.commit``). The format itself, reading and
+verifying, is ``sharded.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_slurm import safefs
+from ddp_slurm.train.checkpoint.format import CheckpointError, checkpoint_dir
+from ddp_slurm.train.checkpoint.sharded import _write_json, commit, dir_name, file_seal, partial_name, prune
+
+log = logging.getLogger(__name__)
+
+
+def _writer_class() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class SealingWriter(FileSystemWriter):
+        """DCP's file writer, which also seals the files this rank wrote once they are fsynced."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            fut = super().write_data(plan, planner)
+            results = fut.wait()
+            names = sorted({r.storage_data.relative_path for r in results})
+            seals = {name: file_seal(Path(self.path) / name) for name in names}
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            _write_json(Path(self.path) / f"seal-{rank}.json", seals)
+            return fut
+
+    return SealingWriter
+
+
+class ShardedCheckpointer:
+    """Every rank's side of sharded checkpoints; the same calls as ``AsyncCheckpointer`` but ``save`` is
+    a collective (every rank calls it at the same step), and rank 0 commits."""
+
+    def __init__(self, run_dir: Path, keep: int, enabled: bool = True, *, shared: bool = False, **_: Any) -> None:
+        self.run_dir, self.keep, self.enabled, self.shared = Path(run_dir), keep, enabled, shared
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo")  # background collectives, apart from training's
+        self._stager: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self._step = -1
+        self._started = 0.0
+        self._done_at: float | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def failed(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive() and self._error is not None
+
+    def save(self, snapshot: tuple[dict[str, Any], dict[str, Any] | None], urgent: bool = False) -> Path | None:
+        """Write this rank's shards of step ``record['step']`` (rank 0 also commits). Waits for the write in
+        flight first. Returns the folder when synchronous (``checkpoint.async=false``), else None."""
+        import torch.distributed.checkpoint as dcp
+
+        shards, record = snapshot
+        if self._thread is not None and self._thread.is_alive() and urgent:
+            log.info("stop: waiting for the write of step %d (a sharded write cannot be cancelled)", self._step)
+        self.wait()
+        steps = [record["step"] if record is not None else -1]
+        dist.broadcast_object_list(steps, src=0, group=self.group)
+        step = int(steps[0])
+        folder = checkpoint_dir(self.run_dir)
+        partial, final = folder / partial_name(step), folder / dir_name(step)
+        if self.rank == 0:
+            safefs.make_dir(folder, self.shared)
+        dist.barrier(group=self.group)  # the folder exists before any rank writes into it
+        writer = _writer_class()(str(partial), sync_files=True)
+        self._step, self._started, self._error, self._done_at = step, time.monotonic(), None, None
+        if not self.enabled:
+            dcp.save(shards, storage_writer=writer, process_group=self.group)
+            self._finish(None, partial, final, record)
+            return self._collect()
+        future = dcp.async_save(shards, storage_writer=writer, process_group=self.group, async_stager=self._stage())
+        future = getattr(future, "upload_completion", future)  # AsyncSaveResponse where staging is asynchronous
+        self._thread = threading.Thread(
+            target=self._finish, args=(future, partial, final, record), name=f"ckpt-sharded-{step}"
+        )
+        self._thread.start()
+        return None
+
+    def _stage(self) -> Any:
+        """One stager for the run: host copies (pinned for GPU tensors) reused from save to save."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
+        return self._stager
+
+    def _finish(self, future: Future | None, partial: Path, final: Path, record: dict[str, Any] | None) -> None:
+        try:
+            if future is not None:
+                future.result()
+            if self.rank == 0:
+                assert record is not None
+                commit(partial, final, record, self.world, self.shared)
+                prune(self.run_dir, self.keep, final)
+        except CheckpointError as exc:
+            self._error = str(exc)
+        except BaseException as exc:  # kept for the training thread
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            self._error = (
+                f"cannot write checkpoint {final}: {type(exc).__name__}: {reason}; previous checkpoints are intact"
+            )
+        finally:
+            self._done_at = time.monotonic()
+
+    def poll(self) -> Path | None:
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until this rank's write in flight is done (rank 0: committed); its folder, or CheckpointError."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        path = self._collect()
+        log.info(
+            "checkpoint %s written in the background (%.2f s after the save began)",
+            path,
+            (self._done_at or self._started) - self._started,
+        )
+        return path
+
+    def _collect(self) -> Path:
+        path = checkpoint_dir(self.run_dir) / dir_name(self._step)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(error)
+        return path
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None

@@ -1,0 +1,63 @@
+"""``DDP_SLURM_SYNC_DEBUG=error`` (or ``warn``): CUDA's sync debug mode over the steady-state steps of a run.
+
+A steady-state CUDA step must never make the host wait for the device (docs/gpu.md lists the places
+that may: start-up, a log line, an evaluation, a save). With this variable set, the training loop
+switches ``torch.cuda.set_sync_debug_mode`` on from the ``WARMUP_STEPS``-th step of a launch (the first
+steps allocate and set up) and off around each boundary, so that ``error`` turns any synchronising
+call inside a steady step into an exception naming it (tests/test_gpu_path.py runs the real loop so).
+The number of steps it watched is logged at the end, so a check can tell that it was on at all.
+Without CUDA, or unset, it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+log = logging.getLogger("ddp_slurm")
+
+ENV = "DDP_SLURM_SYNC_DEBUG"
+MODES = ("warn", "error")
+WARMUP_STEPS = 3  # steps of each launch before the watch starts: first allocations, cuDNN's choices
+
+
+class SyncWatch:
+    """Switches the sync debug mode on for steady steps and off at boundaries; counts the steps watched."""
+
+    def __init__(self, mode: str | None, first_step: int) -> None:
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)} (or unset)")
+        self.mode, self.start, self.watched, self.on = mode, first_step + WARMUP_STEPS, 0, False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str], device: torch.device, first_step: int) -> SyncWatch:
+        mode = environ.get(ENV) or None
+        return cls(mode if device.type == "cuda" else None, first_step)
+
+    def steady(self, step: int) -> None:
+        """Before the step that follows ``step``: watch it, once warmed up."""
+        if self.mode is None or step < self.start:
+            return
+        if not self.on:
+            torch.cuda.set_sync_debug_mode(self.mode)
+            self.on = True
+        self.watched += 1
+
+    def boundary(self) -> None:
+        """Before a log line, a save, an evaluation or the end: these may wait for the device."""
+        if self.on:
+            torch.cuda.set_sync_debug_mode(0)
+            self.on = False
+
+    def close(self) -> None:
+        self.boundary()
+        if self.mode is not None:
+            log.info("%s=%s: %d steady steps ran without a host sync", ENV, self.mode, self.watched)
+
+
+def reset(device: torch.device) -> None:
+    """Leaving training on an error: the cleanup that follows may wait for the device."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode(0)

@@ -1,0 +1,148 @@
+"""The ranks' agreement on stopping (stop signals, a non-finite loss, a failed checkpoint write), reached
+one step late so that it never holds a step up, and on a GPU without the host waiting for the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_slurm.train.signals import StopFlag
+
+FLAGS = 4  # requeue signal, terminate signal, non-finite loss, checkpoint writer failed
+
+
+class StopVote:
+    """The ranks' agreement on stopping, reached one step late so that it never holds a step up.
+
+    After each step every rank posts its flags (stop signal for requeue, SIGTERM, loss not finite)
+    and starts a MAX all-reduce without waiting; ``exchange`` returns the agreed flags of the step
+    before, which every rank posted a whole step ago, so reading them costs no wait for the slowest
+    rank (a blocking all-reduce per step did: 1-3 ms of a 40 ms step at 2 CPU ranks). Every rank reads
+    the same flags after the same step, so all still stop together, one step after the signal. With
+    ``wait=True`` (before an evaluation or a checkpoint) the step's own flags are awaited as well, so
+    nothing non-finite is evaluated or saved.
+
+    On a GPU the flags never make the host wait for the current step: the host's flags reach the
+    device buffer through pinned memory and one asynchronous copy (``_Staged``; the non-finite flag is
+    computed on the device from the loss), a side stream waits (on the device) for the all-reduce,
+    copies the result into pinned host memory without blocking and records an event; one step later
+    the host waits on that event, which the GPU passed while it was already running the next step. The host stays at most one step ahead of the device, and no call
+    here synchronises a stream or the device (``torch.cuda.set_sync_debug_mode("error")`` passes:
+    tests/test_gpu_path.py; tests/test_step.py checks on CPU that no Python number is written into
+    the device buffer). Only ``wait=True`` and ``settle`` wait for the step just posted.
+    """
+
+    def __init__(
+        self, stop: StopFlag, world_size: int, device: torch.device, failed: Callable[[], bool] | None = None
+    ) -> None:
+        """``failed``: a fourth flag any rank may raise (rank 0's background checkpoint writer failed);
+        once agreed, ``self.failed`` stays True on every rank."""
+        self.stop, self.world_size, self._failed = stop, world_size, failed
+        self.bad = ""  # why the loss was flagged, once it was: "loss is nan at step 12"
+        self.failed = False
+        self._buffers = (torch.zeros(FLAGS, device=device), torch.zeros(FLAGS, device=device))  # posted, being reduced
+        self._staged = _Staged(device) if device.type != "cpu" else None
+        self._cuda = _HostCopies(device) if device.type == "cuda" else None
+        self._pending: tuple[int, Any, torch.Tensor | None, int] | None = None  # slot, work, loss, step
+
+    def exchange(self, loss: torch.Tensor | None, step: int, wait: bool = False) -> tuple[bool, bool, bool]:
+        """Post this rank's flags after ``step``; return the agreed (requeue, terminate, non-finite)
+        of the step before (all False the first time), or with ``wait`` of this step too."""
+        previous = self._pending
+        slot = 1 if previous is not None and previous[0] == 0 else 0
+        flags = self._buffers[slot]
+        requeue, terminate = float(self.stop.requeue_requested), float(self.stop.terminate_requested)
+        failed = float(self._failed is not None and self._failed())
+        if self._staged is None:  # CPU: the loss is readable at once, and one copy beats four element writes
+            bad = 0.0 if loss is None else float(not math.isfinite(loss.item()))
+            flags.copy_(torch.tensor((requeue, terminate, bad, failed)))
+        else:  # a device buffer: a Python number written into it is a synchronising copy (see _Staged)
+            self._staged.post(slot, flags, (requeue, terminate, 0.0, failed))
+            if loss is not None:
+                flags[2:3].copy_(~torch.isfinite(loss.reshape(1)))  # computed on the loss's device, no wait
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if self.world_size > 1 else None
+        if self._cuda is not None:
+            self._cuda.post(slot, flags, work)
+            work = None  # the side stream waits for it
+        self._pending = (slot, work, loss, step)
+        agreed = self._collect(previous)
+        if wait:
+            agreed = tuple(a or b for a, b in zip(agreed, self.settle()))
+        return agreed  # type: ignore[return-value]
+
+    def settle(self) -> tuple[bool, bool, bool]:
+        """Wait for the last posted flags and return them agreed: no collective is left in flight."""
+        pending, self._pending = self._pending, None
+        return self._collect(pending)
+
+    def _collect(self, pending: tuple[int, Any, torch.Tensor | None, int] | None) -> tuple[bool, bool, bool]:
+        if pending is None:
+            return False, False, False
+        slot, work, loss, step = pending
+        if self._cuda is not None:
+            values = self._cuda.read(slot)
+        else:
+            if work is not None:
+                work.wait()
+            values = self._buffers[slot].tolist()
+        requeue, terminate, bad, failed = (v > 0 for v in values)
+        self.failed = self.failed or failed
+        if bad and not self.bad:
+            value = loss.item() if loss is not None else float("nan")  # the failure path may wait
+            self.bad = (
+                f"loss is {value} at step {step}"
+                if not math.isfinite(value)
+                else f"loss is not finite on another rank at step {step}"
+            )
+        return requeue, terminate, bad
+
+
+class _Staged:
+    """The host's flags on their way into a device buffer without the host waiting.
+
+    ``buffer[0] = 1.0`` on a CUDA tensor makes a pageable CPU scalar and copies it synchronously: three
+    such writes per step were the only host syncs in a steady-state step. Here the host writes the
+    flags into pinned memory (one per slot) and one asynchronous copy per step carries them over. A
+    slot's staging memory is written again two posts later, after ``StopVote._collect`` has waited for
+    that slot's event, which the device records after this copy: the copy has read it by then.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = tuple(torch.zeros(FLAGS, pin_memory=pin) for _ in range(2))
+
+    def post(self, slot: int, flags: torch.Tensor, values: tuple[float, ...]) -> None:
+        stage = self.host[slot]
+        stage.copy_(torch.tensor(values))  # host memory only; one copy is cheaper than four element writes
+        flags.copy_(stage, non_blocking=True)
+
+
+class _HostCopies:
+    """The CUDA side of :class:`StopVote`: per slot, pinned host memory filled by an asynchronous copy
+    on a side stream, and the event that says the copy has landed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.host = tuple(torch.zeros(FLAGS, pin_memory=True) for _ in range(2))
+        self.done = tuple(torch.cuda.Event() for _ in range(2))
+
+    def post(self, slot: int, flags: torch.Tensor, work: Any) -> None:
+        """Copy ``flags`` to the host once the all-reduce ``work`` (None: none) is done, without the host
+        or the training stream waiting for it."""
+        self.stream.wait_stream(torch.cuda.current_stream(flags.device))  # the flags were written there
+        with torch.cuda.stream(self.stream):
+            if work is not None:
+                work.wait()  # NCCL: this stream waits for the collective; the host does not
+            self.host[slot].copy_(flags, non_blocking=True)
+            self.done[slot].record(self.stream)
+        # ``flags`` lives as long as the vote and is written again only two posts later, after ``read`` of
+        # this slot has waited for the copy: no record_stream needed.
+
+    def read(self, slot: int) -> list[float]:
+        self.done[slot].synchronize()  # a step after the post: long passed, unless the host is far ahead
+        return self.host[slot].tolist()

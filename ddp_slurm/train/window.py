@@ -1,0 +1,78 @@
+"""What rank 0 reports of the steps: the loss and rate over a log window (one host sync per window),
+and where the ranks run (once per launch)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from ddp_slurm.distributed.env import DistEnv
+from ddp_slurm.train import logs
+
+log = logging.getLogger("ddp_slurm")
+
+
+class LossWindow:
+    """The training loss averaged over the steps between two log lines, and the rate over them.
+
+    The loss stays on the device while it accumulates: reading it is the one host sync per window.
+    """
+
+    def __init__(self, device: torch.device, world_size: int, global_batch: int, step: int) -> None:
+        self.sum, self.n, self.world_size, self.global_batch = (
+            torch.zeros((), device=device),
+            0,
+            world_size,
+            global_batch,
+        )
+        self.started, self.first_step = time.monotonic(), step
+        self.loss: float | None = None
+        self.rate: float | None = None
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.sum += loss
+        self.n += 1
+
+    def close(self, step: int) -> dict[str, float]:
+        """The window's figures for metrics.jsonl: loss (mean over steps and ranks), samples/s, mean step
+        time, and how far apart the ranks' step times were ((slowest - fastest) / mean); starts the next
+        window."""
+        now = time.monotonic()
+        steps = max(step - self.first_step, 1)
+        mean = self.sum / max(self.n, 1)
+        own = (now - self.started) / steps
+        if self.world_size > 1:
+            dist.all_reduce(mean)
+            mean /= self.world_size
+            times = torch.full((2,), own, dtype=torch.float64, device=mean.device)  # made there: no copy
+            times[1:].neg_()
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest and (negated) fastest rank
+            loss, slowest, fastest = torch.cat([mean.double().reshape(1), times]).tolist()  # the one sync
+            fastest = -fastest
+        else:
+            loss, slowest, fastest = mean.item(), own, own  # the one sync
+        self.loss, self.rate = loss, steps * self.global_batch / (now - self.started)
+        self.sum.zero_()
+        self.n, self.started, self.first_step = 0, now, step
+        return {
+            "loss": self.loss,
+            "samples_per_s": self.rate,
+            "step_time_s": (slowest + fastest) / 2,
+            "step_time_spread": (slowest - fastest) / max((slowest + fastest) / 2, 1e-12),
+        }
+
+
+def log_placement(env: DistEnv) -> list[str]:
+    """Rank 0 logs once which host each rank runs on: the first thing to check when a job misbehaves.
+    Returns every rank's host, in rank order."""
+    host = socket.gethostname()
+    hosts = [host] * env.world_size
+    if env.world_size > 1:
+        dist.all_gather_object(hosts, host)
+    if env.rank == 0:
+        log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
+    return hosts

@@ -1,0 +1,49 @@
+"""``bench memory`` and ``bench checkpoint --strategy fsdp``: small models, real ranks, every figure there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_bench import bench, positive
+
+
+def test_memory_fsdp_holds_a_share_of_the_model_state(tmp_path: Path) -> None:
+    """At 2 ranks each FSDP rank holds about half of DDP's parameters, gradients and Adam state."""
+    p, text = bench(tmp_path, "memory", "--world", "2", "--width", "64", "--depth", "2", "--steps", "1")
+    assert set(p["strategies"]) == {"ddp", "fsdp"} and p["params"]["world"] == 2
+    ddp, fsdp = p["strategies"]["ddp"], p["strategies"]["fsdp"]
+    assert ddp["num_params"] == fsdp["num_params"] == 2 * (64 * 64 + 64) + 64 + 1
+    for r in ddp["ranks"]:  # DDP: every rank the whole model, its gradients and two Adam moments (+ step counts)
+        assert r["param_bytes"] == r["grad_bytes"] == 4 * ddp["num_params"]
+        assert r["optimizer_bytes"] >= 2 * r["param_bytes"]
+    assert sum(r["param_bytes"] for r in fsdp["ranks"]) == 4 * fsdp["num_params"]
+    assert p["fsdp_over_ddp"] == pytest.approx(fsdp["model_state_bytes"] / ddp["model_state_bytes"])
+    assert p["fsdp_over_ddp"] <= 1 / 2 + 0.1
+    assert positive(ddp["step_s"]) and positive(fsdp["step_s"])
+    assert "fsdp_over_ddp" in text and not list(tmp_path.glob(".bench-memory-*"))
+
+
+def test_memory_refuses_an_unknown_strategy(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import base_env
+
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.bench", "memory", "--strategy", "ddp,zero3"],
+        cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--strategy 'ddp,zero3'" in res.stderr
+
+
+def test_checkpoint_fsdp_smoke(tmp_path: Path) -> None:
+    """Sharded checkpoint stall, async against sync, at 1 and 2 ranks."""
+    p, text = bench(tmp_path, "checkpoint", "--strategy", "fsdp", "--state-mb", "2", "--rounds", "1")
+    assert p["strategy"] == "fsdp" and set(p["worlds"]) == {"1", "2"}
+    for r in p["worlds"].values():
+        assert positive(r["sync_stall_s"]) and positive(r["async_stall_s"]) and positive(r["async_call_s"])
+        assert r["shard_bytes"] > 2 * 2**20 * 0.9
+        assert r["stop_to_durable_s"] > 0
+    assert p["stall_ratio"] == pytest.approx(p["async_stall_s"] / p["sync_stall_s"])
+    assert "sharded checkpoint stall" in text and not list(tmp_path.glob(".bench-checkpoint-fsdp-*"))

@@ -1,0 +1,97 @@
+"""Sharded checkpoints on disk (``train/checkpoint/sharded.py``): what counts as a checkpoint, verified on
+load, pruned by what passes. One real 1-rank fsdp run writes them; each test works on a copy."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import base_env
+
+from ddp_slurm.train import checkpoint
+from ddp_slurm.train.checkpoint import sharded
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished fsdp run with checkpoints at steps 10, 20, 30, written synchronously (checkpoint.async=false;
+    the background path is tests/test_fsdp.py's)."""
+    cwd = tmp_path_factory.mktemp("sharded")
+    overrides = ["dist.strategy=fsdp", "model.name=mlp", "train.max_steps=30", "checkpoint.every_steps=10"]
+    overrides += ["checkpoint.async=false"]
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.train", *overrides, "checkpoint.keep=10", "run.name=r"],
+        cwd=cwd, env=base_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return cwd / "runs" / "r"
+
+
+@pytest.fixture
+def run(written: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(written, tmp_path / "r"))
+
+
+def flip(path: Path, offset: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_the_newest_committed_checkpoint_is_found_and_holds_the_whole_state(run: Path) -> None:
+    assert [s for s, _ in sharded.list_sharded(run)] == [30, 20, 10]
+    folder, record = sharded.latest(run)
+    assert folder.name == "step-30" and record["step"] == 30 and record["finished"] and len(record["rng"]) == 1
+    state = checkpoint.load_latest(run)  # gathered into one state, without a process group
+    assert state["step"] == 30 and state["model"]["1.weight"].shape == torch.Size([100, 784])
+    assert {"exp_avg", "exp_avg_sq", "step"} <= state["optimizer"]["state"]["1.weight"].keys()
+    for path in [folder, *folder.iterdir()]:  # the run's modes (run.shared=false), not the umask's
+        assert path.stat().st_mode & 0o777 == (0o750 if path.is_dir() else 0o640), path
+
+
+@pytest.mark.parametrize("damage", ["shard", "metadata", "commit", "missing", "uncommitted"])
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before(
+    run: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    newest = run / "checkpoints" / "step-30"
+    if damage == "shard":
+        flip(newest / "__0_0.distcp")
+    elif damage == "metadata":
+        flip(newest / ".metadata", 10)
+    elif damage == "commit":
+        flip(newest / "commit.pt", 200)
+    elif damage == "missing":
+        (newest / "__0_0.distcp").unlink()
+    else:  # a folder renamed into place by hand, without its commit record
+        (newest / "commit.pt").unlink()
+    with caplog.at_level(logging.WARNING):
+        folder, record = sharded.latest(run)
+    assert folder.name == "step-20" and record["step"] == 20
+    assert f"skipping checkpoint {newest}" in caplog.text
+
+
+def test_no_usable_checkpoint_among_several_is_an_error(run: Path) -> None:
+    for _, folder in sharded.list_sharded(run):
+        flip(folder / "__0_0.distcp")
+    with pytest.raises(checkpoint.CheckpointError, match="refusing to start over"):
+        sharded.latest(run)
+
+
+def test_pruning_counts_only_committed_checkpoints(run: Path) -> None:
+    folder = run / "checkpoints"
+    (folder / "step-99").mkdir()  # not a checkpoint: no commit record; left alone, not counted
+    sharded.prune(run, 1, folder / "step-30")
+    assert sorted(p.name for p in folder.iterdir()) == ["step-30", "step-99"]
+
+
+def test_partial_writes_are_cleared_and_never_count(run: Path) -> None:
+    partial = run / "checkpoints" / sharded.partial_name(40)
+    shutil.copytree(run / "checkpoints" / "step-30", partial)
+    assert sharded.latest(run)[0].name == "step-30"
+    sharded.remove_stale_partials(run)
+    assert not partial.exists()

@@ -1,0 +1,193 @@
+"""``dist.strategy=fsdp``: FSDP2 training through torchrun, exact resume from sharded checkpoints, resume at
+another world size, and tasks that know nothing of FSDP. Real processes, real signals, real files.
+
+The launch helpers (``start``, ``run_to_end``, the ``launches`` fixture) are tests/test_resume.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import test_resume
+import torch
+from tasks_helpers import LINE_RUN, addition_tiny, write_line_task
+from test_resume import Launch, assert_resumed_from, run_to_end, start
+
+from ddp_slurm.train import checkpoint, fsdp, loader
+from ddp_slurm.train.checkpoint import sharded as ckpt_sharded
+from ddp_slurm.train.step import Padding
+from ddp_slurm.train.task import Tensors
+
+FSDP = [
+    "dist.strategy=fsdp",
+    "model.name=mlp",
+    "train.global_batch_size=64",
+    "train.epochs=1",
+    "train.max_steps=40",
+    "train.log_every_steps=2",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep=100",
+    "run.name=r",
+]
+EXIT_STOPPED = 75
+
+
+@pytest.fixture
+def launches() -> Iterator[list[Launch]]:
+    """test_resume's fixture: the launches of a test, any still running killed at its end."""
+    yield from test_resume.launches.__wrapped__()
+
+
+def committed(run_dir: Path) -> list[int]:
+    return [step for step, folder in ckpt_sharded.list_sharded(run_dir) if (folder / ckpt_sharded.COMMIT).exists()]
+
+
+def assert_same_state(run_dir: Path, reference: Path) -> None:
+    got, want = checkpoint.load_latest(run_dir), checkpoint.load_latest(reference)
+    assert got is not None and want is not None and got["finished"] and got["step"] == want["step"]
+    different = [k for k, t in want["model"].items() if not torch.equal(t, got["model"][k])]
+    assert not different, f"weights differ from the uninterrupted run: {different}"
+    a, b = dict(checkpoint._tensors(got["optimizer"])), dict(checkpoint._tensors(want["optimizer"]))
+    assert a.keys() == b.keys() and all(torch.equal(t, b[k]) for k, t in a.items())
+
+
+def assert_stopped(launch: Launch) -> int:
+    """Every rank exited 75 after the sharded checkpoint of the stop step was committed; the stop step."""
+    code, text = launch.finish()
+    codes = re.findall(r"^\s+exitcode\s*:\s*(-?\d+)", text, re.M)  # torchrun's summary of its workers
+    assert code != 0 and codes == [str(EXIT_STOPPED)] * launch.world_size, text[-3000:]
+    stops = [r for r in launch.rows() if r["kind"] == "stop"]
+    assert len(stops) == 1, text[-3000:]
+    step = stops[0]["step"]
+    assert f"stopped on signal at step {step} with a checkpoint" in text
+    assert committed(launch.run_dir)[0] == step
+    assert not [p for p in (launch.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    return step
+
+
+def test_sigusr2_resume_is_bit_identical_and_reshards_at_another_world_size(
+    launches: list[Launch], tmp_path: Path
+) -> None:
+    """Two ranks under fsdp, SIGUSR2 to rank 1 mid-epoch: both stop at one step with a committed sharded
+    checkpoint; the relaunch ends bit-identical (weights and optimizer state) to the run left alone. A
+    copy of the stopped run resumes at one rank (DCP reshards) and finishes."""
+    (tmp_path / "ref").mkdir()
+    reference = run_to_end(launches, tmp_path / "ref", 2, FSDP)
+    folder = reference.run_dir / "checkpoints" / "step-40"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "commit.pt", "seal-0.json", "seal-1.json"]
+    assert [r["accuracy"] for r in reference.rows() if r["kind"] == "eval"][0] > 0.7
+
+    first = start(launches, tmp_path, 2, FSDP)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("training to pass step 10", lambda r: r["kind"] == "train" and r["step"] >= 10)
+    first.signal(1, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    assert 10 <= stop < 40
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "runs", other / "runs")
+
+    second = run_to_end(launches, tmp_path, 2, FSDP)
+    assert_resumed_from(second, stop)
+    assert_same_state(first.run_dir, reference.run_dir)
+
+    third = run_to_end(launches, other, 1, FSDP)
+    assert_resumed_from(third, stop)
+    assert "from a sharded checkpoint of world size 2" in third.log_text()
+    final = checkpoint.load_latest(third.run_dir)
+    assert final is not None and final["finished"] and final["step"] == 40 and final["world_size"] == 1
+
+
+def test_strategy_is_kept_across_relaunches(launches: list[Launch], tmp_path: Path) -> None:
+    """A run started under fsdp refuses to resume under ddp (one line, exit 2, its checkpoints untouched)."""
+    run = run_to_end(launches, tmp_path, 1, [*FSDP, "train.max_steps=10"])
+    before = sorted(p.name for p in (run.run_dir / "checkpoints").iterdir())
+    again = start(launches, tmp_path, 1, [*FSDP, "train.max_steps=10", "dist.strategy=ddp"])
+    code, text = again.finish()
+    assert code == 2, text
+    assert "holds dist.strategy=fsdp checkpoints" in text and "launch with dist.strategy=fsdp" in text
+    assert sorted(p.name for p in (run.run_dir / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.parametrize("example", ["line", "addition"])
+def test_tasks_train_under_fsdp_unchanged(launches: list[Launch], tmp_path: Path, example: str) -> None:
+    """A task defined only in a test file (docs/tasks.md's Line: one nn.Linear, nothing FSDP-specific) and
+    the addition example (a transformer, the Dataset path with workers) train under fsdp at 2 ranks; the
+    Line run also accumulates 2 micro-batches per step (FSDP's set_requires_gradient_sync) and clips."""
+    if example == "line":
+        write_line_task(tmp_path)
+        args = ["task=line_task.py:Line", *LINE_RUN, "run.name=r", "dist.strategy=fsdp"]
+        args += ["train.accumulate=2", "train.grad_clip=10.0"]
+    else:
+        args = [*addition_tiny(epochs=1, train_size=1024), "run.name=r", "dist.strategy=fsdp"]
+    run = run_to_end(launches, tmp_path, 2, args)
+    assert [r for r in run.rows() if r["kind"] == "eval"], run.log_text()[-3000:]
+    assert committed(run.run_dir), run.log_text()[-3000:]
+    norms = [r.get("grad_norm") for r in run.rows() if r["kind"] == "train"]
+    assert all(n is not None and n > 0 for n in norms) if example == "line" else not any(norms)
+
+
+def test_padded_evaluation_runs_as_many_batches_on_every_rank() -> None:
+    """Every forward of a sharded model is a collective: a rank with fewer eval batches pads with batches
+    that count for nothing, up to the count of the rank with the most; a rank with none borrows one."""
+    data = Tensors(torch.arange(10.0))
+    cpu = torch.device("cpu")
+    counts = []
+    for rank in range(3):  # shards of 3, 3, 4 samples in batches of 2: 2, 2, 2 batches
+        out = list(fsdp.padded(loader.eval_batches(data, cpu, rank, 3, 2, 0), data, cpu, rank, 3, 2))
+        counts.append((sum(not isinstance(b, Padding) for b in out), len(out)))
+    assert counts == [(2, 2), (2, 2), (2, 2)]
+    counts = []
+    for rank in range(3):  # batches of 3: 1, 1, 2 batches
+        out = list(fsdp.padded(loader.eval_batches(data, cpu, rank, 3, 3, 0), data, cpu, rank, 3, 3))
+        counts.append((sum(not isinstance(b, Padding) for b in out), len(out)))
+    assert counts == [(1, 2), (1, 2), (2, 2)]
+    tiny = Tensors(torch.arange(2.0))  # 4 ranks, 2 samples: ranks 0 and 2 have nothing of their own
+    out = list(fsdp.padded(loader.eval_batches(tiny, cpu, 0, 4, 8, 0), tiny, cpu, 0, 4, 8))
+    assert len(out) == 1 and isinstance(out[0], Padding) and torch.equal(out[0].batch[0], torch.arange(2.0))
+
+
+def test_kill9_during_a_sharded_write_leaves_the_previous_checkpoint(launches: list[Launch], tmp_path: Path) -> None:
+    """SIGKILL to every process while a sharded write is in flight (its ``.step-N.partial`` folder exists):
+    the newest committed checkpoint is the one resumed from, the partial write is never counted and is
+    cleared by the relaunch, which finishes."""
+    args = [*FSDP, "checkpoint.every_steps=1", "checkpoint.keep=3"]
+    folder = tmp_path / "runs" / "r" / "checkpoints"
+    for _attempt in range(5):  # the write may commit between seeing its folder and the kill: try again
+        shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+        launch = start(launches, tmp_path, 2, args)
+        launch.wait_for("a first committed checkpoint", lambda: bool(committed(launch.run_dir)), poll_s=0.001)
+        partial: list[Path] = []
+
+        def writing() -> bool:
+            partial[:] = list(folder.glob(ckpt_sharded.partial_name("*")))
+            return bool(partial)
+
+        workers = [launch.worker(rank) for rank in range(2)]  # torchrun starts each in a session of its own
+        launch.wait_for("a sharded write in flight", writing, poll_s=0.0005)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(launch.proc.pid, signal.SIGKILL)
+        launch.proc.wait()
+        while any(Path(f"/proc/{pid}").exists() and test_resume.state_of(pid) != "Z" for pid in workers):
+            time.sleep(0.01)
+        if any(p.exists() for p in partial):
+            break
+    else:
+        pytest.fail("never caught a sharded write in flight in 5 attempts")
+    in_flight = int(partial[0].name.split("-")[1].split(".")[0])
+    newest = committed(launch.run_dir)[0]
+    assert newest < in_flight
+    found = ckpt_sharded.latest(launch.run_dir)
+    assert found is not None and found[1]["step"] == newest
+
+    again = run_to_end(launches, tmp_path, 2, args)
+    assert_resumed_from(again, newest)
+    assert not list(folder.glob(".*"))

@@ -1,0 +1,185 @@
+"""``python -m ddp_slurm.launch``: torchrun that survives the stop signal and passes it on; the sbatch
+scripts' checks that run without a cluster. (On the real cluster: tests/cluster/test_sbatch.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, base_env
+
+from ddp_slurm.launch import torchrun as launch
+from ddp_slurm.train import logs
+from ddp_slurm.train import loop as train
+
+SCRIPTS = [REPO / "sbatch" / "mnist_4node.sh", REPO / "sbatch" / "mnist_torchrun.sh"]
+MLP = ["model.name=mlp", "train.epochs=40", "checkpoint.every_steps=20"]  # long enough to be interrupted
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r["kind"] == "train" for r in rows(run_dir)):
+        assert proc.poll() is None, f"exited {proc.returncode} before training:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "no training within the timeout"
+        time.sleep(0.05)
+
+
+def torchrun(launcher, module: str, *overrides: str) -> subprocess.Popen:
+    return launcher.popen(
+        [sys.executable, "-m", module, "--standalone", "--nproc_per_node", "2", "-m", "ddp_slurm.train", *overrides]
+    )
+
+
+def test_exit_code_matches_train():
+    assert launch.EXIT_STOPPED == train.EXIT_STOPPED == 75
+
+
+def test_usr2_to_the_agent_alone_reaches_the_workers(launcher, tmp_path):
+    """The signal goes to the agent only (no Slurm here to signal the workers too): the launcher
+    survives it, passes it on, the workers checkpoint and stop, and the launcher exits 75."""
+    run_dir = tmp_path / "runs" / "usr2"
+    proc = torchrun(launcher, "ddp_slurm.launch", *MLP, "run.name=usr2")
+    wait_for_training(proc, run_dir)
+    os.kill(proc.pid, signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == train.EXIT_STOPPED, out
+    assert "SIGUSR2 passed on to 2 worker process(es)" in out
+    assert "all workers stopped on a signal after a checkpoint: exit 75" in out
+    [stop] = [r for r in rows(run_dir) if r["kind"] == "stop"]
+    assert stop["requeue"] is True and 0 < stop["step"] < 40 * (5000 // 64)
+    state = train.checkpoint.load_latest(run_dir)
+    assert state["step"] == stop["step"] and not state["finished"]
+
+
+def test_ctrl_c_to_the_launcher_exits_75_and_the_run_resumes_with_its_own_config(launcher, tmp_path):
+    """SIGINT (Ctrl-C) to the launcher: torchrun passes it on, the workers checkpoint and exit 75, and so
+    does the launcher, in one line instead of torchrun's ChildFailedError traceback. ``ddp_slurm.resume``
+    under the same launcher then finishes the run with the overrides it was started with."""
+    run_dir = tmp_path / "runs" / "int"
+    overrides = ["model.name=mlp", "train.epochs=2", "train.lr=2e-3", "checkpoint.every_steps=20", "run.name=int"]
+    proc = torchrun(launcher, "ddp_slurm.launch", *overrides)
+    wait_for_training(proc, run_dir)
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == train.EXIT_STOPPED, out
+    assert "interrupted: every worker stopped after a checkpoint; exit 75" in out
+    assert "Traceback" not in out and "ChildFailedError" not in out
+    [stop] = [r for r in rows(run_dir) if r["kind"] == "stop"]
+    cmd = [sys.executable, "-m", "ddp_slurm.launch", "--standalone", "--nproc_per_node", "2"]
+    res = launcher.run([*cmd, "-m", "ddp_slurm.resume", "runs/int"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    start = [r for r in rows(run_dir) if r["kind"] == "start"][-1]
+    assert start["resumed"] and start["step"] == stop["step"] and rows(run_dir)[-1]["kind"] == "end"
+
+
+def test_plain_torchrun_agent_dies_of_usr2(launcher, tmp_path):
+    """Why the launcher exists: torchrun's own agent is killed by the same signal."""
+    proc = torchrun(launcher, "torch.distributed.run", *MLP, "run.name=plain")
+    try:
+        wait_for_training(proc, tmp_path / "runs" / "plain")
+        os.kill(proc.pid, signal.SIGUSR2)
+        # wait(), not communicate(): the orphaned workers keep the output pipe open
+        assert proc.wait(timeout=300) == -signal.SIGUSR2
+    finally:
+        stop_orphans(tmp_path)
+
+
+def stop_orphans(cwd: Path, timeout: float = 120) -> None:
+    """Kill the workers a dead agent left behind (found by their working directory, which is this
+    test's own) and wait until they are gone. SIGKILL: without their agent's store they would only
+    linger in their shutdown."""
+
+    def running() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and os.readlink(entry / "cwd") == str(cwd):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+        return pids
+
+    deadline = time.monotonic() + timeout
+    while pids := running():
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert time.monotonic() < deadline, f"workers {pids} still running"
+        time.sleep(0.5)
+
+
+def test_child_pids_lists_direct_children():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert child.pid in launch.child_pids(os.getpid())
+        assert os.getpid() not in launch.child_pids(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_rank_map_groups_ranks_by_host():
+    assert logs.rank_map(["n1", "n2", "n3", "n4"]) == "n1: 0; n2: 1; n3: 2; n4: 3"
+    assert logs.rank_map(["a", "a", "b", "b", "a"]) == "a: 0-1,4; b: 2-3"
+    assert logs.rank_map(["solo"]) == "solo: 0"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_is_valid_bash_with_the_slurm_options(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    for option in (
+        "--nodes=4",
+        "--ntasks-per-node=",
+        "--gpus-per-node=4",
+        "--cpus-per-task=",
+        "--time=",
+        "--signal=USR2@",
+        "--requeue",
+        "--open-mode=append",
+        "--output=%x-%j.out",
+    ):
+        assert f"#SBATCH {option}" in text, option
+    assert "srun --kill-on-bad-exit=1" in text and '"$@"' in text
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_says_which_python_is_missing(script, tmp_path):
+    env = base_env(DDP_SLURM_PYTHON=str(tmp_path / "no-such-python"), SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="7")
+    res = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "no-such-python" in res.stderr and "DDP_SLURM_PYTHON" in res.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_says_when_python_lacks_the_package(script, tmp_path):
+    """A Python without the package (here: with -I, which ignores PYTHONPATH and the working directory
+    can't help either, from a directory outside the project) is refused before srun runs."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    fake.chmod(0o755)
+    env = base_env(DDP_SLURM_PYTHON=str(fake), SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="7")
+    res = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "cannot import ddp_slurm" in res.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_outside_slurm_says_to_use_sbatch(script, tmp_path):
+    res = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 2 and "submit it with `sbatch" in res.stderr, res.stderr
