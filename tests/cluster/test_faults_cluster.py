@@ -356,17 +356,22 @@ def run_chained(d: Driver) -> dict[str, Any]:
     d.wait_for(job, "a checkpoint", lambda: checkpoint.list_checkpoints(job.run_dir))
     d.cluster.cancel(job.job_id, "--signal=USR2")
     d.finish(job)
+    ended = d.cluster.job_info(job.job_id)["EndTime"]
     new = d.wait_for(job, "the chained job", lambda: (m := re.search(r"chained job (\d+)", job.text())) and m[1])
     nxt = Job("chained", d.workdir, job_id=new)
     d.jobs.append(nxt)
-    depends = d.cluster.job_info(new).get("Dependency", "")
     try:
         d.wait_for(nxt, "the resumed run", lambda: len([r for r in job.rows() if r["kind"] == "start"]) == 2)
     except AssertionError as exc:  # the successor writes to the first job's log
         raise AssertionError(f"{exc}\n--- the chain's log\n{job.text()[-5000:]}") from None
+    # Slurm drops a satisfied dependency from `scontrol show job` soon after the first job ends, so
+    # the option is read where it stays: sbatch exports it to the successor's environment.
+    pid = d.wait_for(nxt, "the successor's rank 0", lambda: training_rank(new, 0))
+    depends = environ_of(pid).get("SLURM_JOB_DEPENDENCY", "")
+    started = d.cluster.job_info(new)["StartTime"]
     d.cluster.run(["scancel", new], timeout=30)
     d.finish(nxt)
-    return {"job": job, "next": nxt, "depends": depends}
+    return {"job": job, "next": nxt, "depends": depends, "ended": ended, "started": started}
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +458,7 @@ def test_where_requeue_is_refused_a_successor_job_is_chained_and_resumes(scenari
     text = job.text()  # the successor appends to the same log
     assert f"scontrol requeue {job.job_id} failed" in text, job.describe()
     assert out["depends"].startswith(f"afterany:{job.job_id}"), out
+    assert out["started"] >= out["ended"], out  # ISO times: the successor started only once this job ended
     starts = [r for r in job.rows() if r["kind"] == "start"]
     stop = next(r for r in job.rows() if r["kind"] == "stop")
     assert starts[1]["resumed"] and starts[1]["step"] == stop["step"] and starts[1]["job_id"] == nxt.job_id, starts
