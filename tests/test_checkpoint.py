@@ -105,6 +105,33 @@ def test_prune_keeps_the_newest(tmp_path: Path) -> None:
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [100, 60]
 
 
+def test_prune_with_memory_reads_each_kept_file_once_and_judges_a_replaced_one_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer keeps pruning's verdicts across saves (``seen``): a kept file is read once, not at
+    every save; a file replaced under the same name (another identity) is judged again."""
+    from ddp_slurm.train.checkpoint import format as ckpt_format
+
+    reads: list[str] = []
+    summary = ckpt_format._summary
+    monkeypatch.setattr(ckpt_format, "_summary", lambda path: reads.append(path.name) or summary(path))
+    state, seen = make_state(step=0), {}
+    for step in (10, 20, 30, 40, 50):
+        checkpoint.save(tmp_path, dict(state, step=step), keep=3, seen=seen)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [50, 40, 30]
+    assert sorted(reads) == sorted(f"step-{s}.pt" for s in (10, 20, 30, 40, 50))  # each once
+    # A junk file under a kept name: judged again, left alone with one warning, never counted.
+    junk = tmp_path / "checkpoints" / "step-999.pt"
+    junk.write_bytes(b"not a checkpoint")
+    for step in (60, 70):
+        checkpoint.save(tmp_path, dict(state, step=step), keep=3, seen=seen)
+    assert caplog.text.count("leaving") == 1 and "step-999.pt" in caplog.text
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [999, 70, 60, 50]
+    (tmp_path / "checkpoints" / "step-70.pt").unlink()
+    checkpoint.save(tmp_path, dict(make_state(step=0, seed=1), step=70), keep=3, seen=seen)  # same name, new file
+    assert reads.count("step-70.pt") == 2
+
+
 def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
     """The training loop's state capture, given a real DDP-wrapped model: keys load into a bare model, strictly."""
     cfg = config.load(None, [f"run.output_root={tmp_path}", "run.name=prefix", "model.name=cnn"])

@@ -9,9 +9,11 @@ these declarations: ``loading`` (files, overrides, checks), ``resume`` (what a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -314,8 +316,16 @@ def _key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
-def _field_types(obj: Any) -> dict[str, Any]:
-    return typing.get_type_hints(type(obj))
+def _field_types(obj: Any) -> Mapping[str, Any]:
+    return _type_hints(type(obj))
+
+
+@functools.cache
+def _type_hints(cls: type) -> Mapping[str, Any]:
+    """A section's field types, evaluated once per class: ``typing.get_type_hints`` compiles every
+    annotation string again on each call, and a config is read per key (pruning compares the config
+    of each kept checkpoint with the run's at every save: 30 ms of a 50 ms save was this)."""
+    return types.MappingProxyType(typing.get_type_hints(cls))
 
 
 def _fields(obj: Any) -> dict[str, dataclasses.Field]:

@@ -135,6 +135,7 @@ def save(
     keep: int,
     shared: bool = False,
     cancel: threading.Event | None = None,
+    seen: dict[Any, Any] | None = None,
 ) -> Path:
     """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
 
@@ -143,6 +144,7 @@ def save(
     Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
     the disk fills up; a half-written temporary file is removed. ``cancel`` (another thread sets it):
     the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind.
+    ``seen``: ``prune``'s memory of files already judged, kept by the caller across saves.
     """
     folder = checkpoint_dir(run_dir)
     final = folder / file_name(state["step"])
@@ -170,7 +172,7 @@ def save(
             f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
             "free space or fix permissions, then launch again to resume"
         ) from None
-    prune(run_dir, keep, final)
+    prune(run_dir, keep, final, ours=_identity(state), seen=seen)
     return final
 
 
@@ -187,8 +189,13 @@ def _summary(path: Path) -> tuple[int, Any, dict[str, tuple[int, ...]]]:
         or not isinstance(state.get("model"), dict)
     ):
         raise ValueError("not a checkpoint of this program")
+    return state["step"], *_identity(state)
+
+
+def _identity(state: dict[str, Any]) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """(recorded config, model shapes): what makes a checkpoint one of this run's (``_foreign``)."""
     shapes = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
-    return state["step"], state.get("config"), shapes
+    return state.get("config"), shapes
 
 
 def _foreign(config_of: Any, shapes: dict[str, tuple[int, ...]], ours: tuple[Any, Any]) -> str | None:
@@ -213,41 +220,66 @@ def _foreign(config_of: Any, shapes: dict[str, tuple[int, ...]], ours: tuple[Any
     return None
 
 
-def prune(run_dir: Path, keep: int, newest: Path | None = None) -> None:
+def prune(
+    run_dir: Path,
+    keep: int,
+    newest: Path | None = None,
+    *,
+    ours: tuple[Any, Any] | None = None,
+    seen: dict[Any, Any] | None = None,
+) -> None:
     """Delete all but the ``keep`` newest checkpoints, ranked by the step *inside* each file.
 
     Only files that a resume of this run would accept are counted or deleted: they load as checkpoints,
     their in-file step matches their name, and their config and model are those of ``newest`` (the file
-    just written: this run's). A junk ``step-999999999.pt`` (another tool's file, a half-finished copy)
-    or another run's valid checkpoint with a higher step would otherwise take a slot and get this run's
-    checkpoints deleted. Such files are left alone with a warning. ``newest`` is never deleted. (The
-    seal is not read here: that would read every kept file in full at each save.)
+    just written: this run's; ``ours``, its (config, model shapes), when the caller has them). A junk
+    ``step-999999999.pt`` (another tool's file, a half-finished copy) or another run's valid checkpoint
+    with a higher step would otherwise take a slot and get this run's checkpoints deleted. Such files
+    are left alone with a warning. ``newest`` is never deleted. (The seal is not read here: that would
+    read every kept file in full at each save.) ``seen``: verdicts of earlier calls, by file identity
+    (inode, size, modification time) and ``ours``, so that a writer saving every few seconds reads
+    each kept file once, not at every save.
     """
-    ours: tuple[Any, Any] | None = None
-    if newest is not None:
+    if ours is None and newest is not None:
         try:
-            _, our_config, our_shapes = _summary(newest)
-            ours = (our_config, our_shapes)
+            _, config_of, shapes = _summary(newest)
+            ours = (config_of, shapes)
         except ValueError:
             ours = None
+    mine = repr(ours)
     trusted: list[tuple[int, Path]] = []
     for step, path in list_checkpoints(run_dir):
         try:
-            inside, config_of, shapes = _summary(path)
-        except ValueError as exc:
-            log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, exc)
-            continue
-        if inside != step:
-            log.warning("leaving %s alone (not counted for checkpoint.keep): it holds step %d", path, inside)
-            continue
-        why = _foreign(config_of, shapes, ours) if ours is not None and path != newest else None
-        if why is not None:
-            log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, why)
-            continue
-        trusted.append((step, path))
+            st = path.stat()
+        except OSError:
+            continue  # removed meanwhile
+        key = (path, st.st_ino, st.st_size, st.st_mtime_ns, mine)
+        why = seen.get(key) if seen is not None else None
+        if why is None:
+            why = _judge(path, step, ours, newest)
+            if why:
+                log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, why)
+            if seen is not None:
+                seen[key] = why
+        if not why:
+            trusted.append((step, path))
     trusted.sort(key=lambda item: (item[1] == newest, item[0]), reverse=True)
     for _, old in trusted[keep:]:
         old.unlink(missing_ok=True)
+        if seen is not None:
+            for key in [k for k in seen if k[0] == old]:
+                del seen[key]
+
+
+def _judge(path: Path, step: int, ours: tuple[Any, Any] | None, newest: Path | None) -> str:
+    """Why ``prune`` must leave ``path`` alone, or "" when it is one of this run's checkpoints."""
+    try:
+        inside, config_of, shapes = _summary(path)
+    except ValueError as exc:
+        return str(exc)
+    if inside != step:
+        return f"it holds step {inside}"
+    return (_foreign(config_of, shapes, ours) if ours is not None and path != newest else None) or ""
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:

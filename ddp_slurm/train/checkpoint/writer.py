@@ -213,6 +213,7 @@ class AsyncCheckpointer:
         self._snap = Snapshotter()
         self._write: _Write | None = None
         self._warned_memory = False
+        self._seen: dict[Any, Any] = {}  # pruning's verdicts on the kept files (format.prune)
 
     @property
     def in_flight(self) -> bool:
@@ -239,20 +240,22 @@ class AsyncCheckpointer:
         self._settle(int(state["step"]), urgent)
         step = int(state["step"])
         if not self.enabled or not self._fits(state):
-            return self._durable(checkpoint.save(self.run_dir, state, self.keep, self.shared), time.monotonic())
+            return self._durable(
+                checkpoint.save(self.run_dir, state, self.keep, self.shared, seen=self._seen), time.monotonic()
+            )
         if self.writer == "process":
             frozen = state
             if on_gpu(state):  # the child can read host memory only: copy, and wait for the copy
                 frozen, events = self._snap.copy(state)
                 for event in events:
                     event.synchronize()
-            target = lambda: checkpoint.save(self.run_dir, frozen, self.keep, self.shared)  # noqa: E731
+            target = lambda: checkpoint.save(self.run_dir, frozen, self.keep, self.shared, seen=self._seen)  # noqa: E731
             self._write = _ProcessWrite(step, target, 0 if urgent else WRITER_NICE)
         else:
             snap, events = self._snap.copy(state)
             self._write = _ThreadWrite(
                 step,
-                lambda cancel: checkpoint.save(self.run_dir, snap, self.keep, self.shared, cancel),
+                lambda cancel: checkpoint.save(self.run_dir, snap, self.keep, self.shared, cancel, self._seen),
                 events,
             )
         return None
