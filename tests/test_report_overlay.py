@@ -223,3 +223,21 @@ def test_job_ids_of_a_run(tmp_path: Path, ids: list[str]) -> None:
     (tmp_path / "submitit" / "9").mkdir(parents=True)
     (tmp_path / "submitit" / "%j").mkdir()
     assert jobacct.job_ids(tmp_path, [{"job_id": i} for i in ids] + [{}]) == ["3", "5", "9"]
+
+
+def test_a_run_that_logged_its_loss_once_still_shows_it(tmp_path: Path) -> None:
+    """A short run (24 steps, logged every 20) has one loss and one lr point: a line of one point draws
+    nothing, so it gets a marker, in one run's figure and in an overlay; longer lines stay plain."""
+    short = write_run(tmp_path / "short", 1e-3)
+    rows = [json.loads(line) for line in (short / "metrics.jsonl").read_text().splitlines()]
+    first_train = next(i for i, r in enumerate(rows) if r["kind"] == "train")
+    rows = [r for i, r in enumerate(rows) if r["kind"] != "train" or i == first_train]
+    (short / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = [report.read_history(short), report.read_history(write_run(tmp_path / "long", 4e-3))]
+    for fig in (figures.build_run(runs[0], "short"), figures.build_overlay(runs, ["short", "long"], "two")):
+        for ax in fig.axes:
+            if ax.get_ylabel() in ("loss", "lr"):
+                lone = [line for line in ax.get_lines() if len(line.get_xdata()) == 1]
+                longer = [line for line in ax.get_lines() if len(line.get_xdata()) > 1]  # incl. epoch marks
+                assert lone and all(line.get_marker() == "o" for line in lone), ax.get_ylabel()
+                assert longer and all(line.get_marker() == "None" for line in longer), ax.get_ylabel()

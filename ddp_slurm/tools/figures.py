@@ -154,12 +154,17 @@ def _sample_axes(panels: dict[str, Any]) -> list[Any]:
     return [ax for key, ax in panels.items() if key != "rate"]
 
 
+def _series(ax: Any, xs: list[float], ys: list[float], **style: Any) -> None:
+    """A line; a lone point (a short run logs its loss and lr once) gets a marker, or it would not show."""
+    ax.plot(xs, ys, marker="o" if len(xs) == 1 else None, **style)
+
+
 def build_run(run: RunHistory, title: str) -> Any:
     """One run in detail (see the module docstring): the Figure, unsaved."""
     fig, panels, metrics = _layout([run])
     ax_loss, ax_rate = panels["loss"], panels["rate"]
     xs = [run.samples(r["step"]) for r in run.train]
-    ax_loss.plot(xs, [r["loss"] for r in run.train], color="tab:blue", label="training loss")
+    _series(ax_loss, xs, [r["loss"] for r in run.train], color="tab:blue", label="training loss")
     test_loss = [(run.samples(r["step"]), r["loss"]) for r in run.evals if "loss" in r]
     if test_loss:
         ax_loss.plot(*zip(*test_loss), "o--", color="tab:orange", label="test loss")
@@ -187,8 +192,8 @@ def build_run(run: RunHistory, title: str) -> Any:
     _rate_limits(ax_rate, [r.get("samples_per_s") or 0 for r in run.train], "throughput")
     if "lr" in panels:
         rows = [r for r in run.train if "lr" in r]
-        panels["lr"].plot(
-            [run.samples(r["step"]) for r in rows], [r["lr"] for r in rows], color="tab:brown", label="lr"
+        _series(
+            panels["lr"], [run.samples(r["step"]) for r in rows], [r["lr"] for r in rows], color="tab:brown", label="lr"
         )
         panels["lr"].set(title="learning rate", ylabel="lr")
     _mark(run, _sample_axes(panels), ax_rate)
@@ -234,7 +239,9 @@ def build_overlay(runs: list[RunHistory], names: list[str], title: str) -> Any:
     x = lambda run, step: run.samples(step) if by_samples else step  # noqa: E731
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, name, color in zip(runs, names, colors):
-        ax_loss.plot([x(run, r["step"]) for r in run.train], [r["loss"] for r in run.train], color=color, label=name)
+        _series(
+            ax_loss, [x(run, r["step"]) for r in run.train], [r["loss"] for r in run.train], color=color, label=name
+        )
         for metric in metrics:
             rows = [r for r in run.evals if tracked.is_number(r.get(metric))]
             panels[f"metric:{metric}"].plot(
@@ -249,7 +256,7 @@ def build_overlay(runs: list[RunHistory], names: list[str], title: str) -> Any:
             ax_rate.plot([r["time_s"] for r in rows], [r.get("samples_per_s") or 0 for r in rows], ".-", color=color)
         if "lr" in panels:
             rows = [r for r in run.train if "lr" in r]
-            panels["lr"].plot([x(run, r["step"]) for r in rows], [r["lr"] for r in rows], color=color, label=name)
+            _series(panels["lr"], [x(run, r["step"]) for r in rows], [r["lr"] for r in rows], color=color, label=name)
         for step, time_s, old, new in world_size_changes(run):
             for ax in sample_axes:
                 ax.axvline(x(run, step), color=color, linestyle="-.", linewidth=1)
