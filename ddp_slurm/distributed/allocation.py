@@ -18,11 +18,11 @@ script's line is taken; the messages say which source they read.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Mapping
 
 from ddp_slurm import slurm_time
 from ddp_slurm.config import Config, ConfigError
+from ddp_slurm.distributed import slurm
 from ddp_slurm.distributed.jobinfo import allocation_values, job_signal, mb, parse_job
 
 
@@ -121,11 +121,8 @@ def check_allocation(
 
 
 def _scontrol(*args: str) -> str | None:
-    try:
-        res = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return res.stdout if res.returncode == 0 else None
+    ok, out = slurm.scontrol(*args, timeout_s=30)
+    return out if ok else None
 
 
 def check_current(cfg: Config, environ: Mapping[str, str]) -> list[str]:

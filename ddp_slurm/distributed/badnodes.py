@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
-import signal
-import subprocess
 import time
 from pathlib import Path
+
+from ddp_slurm.distributed import slurm
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +64,9 @@ def excluded(run_dir: Path) -> list[str]:
     return list(dict.fromkeys(line.split("\t", 1)[0] for line in lines if line.strip()))
 
 
-def _ignore_term() -> None:
-    """In the child, before exec: the requeue just made Slurm send SIGTERM to every process of the job,
-    this ``scontrol update`` included; ignored (inherited through exec), it finishes within KillWait."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _scontrol(*args: str, timeout_s: float = 60.0) -> tuple[bool, str]:
-    if shutil.which("scontrol") is None:
-        return False, "scontrol not found on this node"
-    try:
-        res = subprocess.run(
-            ["scontrol", *args], capture_output=True, text=True, timeout=timeout_s, preexec_fn=_ignore_term
-        )
-    except subprocess.TimeoutExpired:
-        return False, f"timed out after {timeout_s:.0f} s"
-    return res.returncode == 0, (res.stderr or res.stdout).strip() or f"exit status {res.returncode}"
-
-
 def exclude_from(job_ref: str, hosts: list[str]) -> bool:
     """Keep ``hosts`` out of a requeued (pending) job's next start. True when Slurm took it."""
-    ok, said = _scontrol("update", f"JobId={job_ref}", f"ExcNodeList={','.join(hosts)}")
+    ok, said = slurm.scontrol("update", f"JobId={job_ref}", f"ExcNodeList={','.join(hosts)}", ignore_term=True)
     if not ok:
         log.warning("requeued, but could not exclude %s from job %s: %s", ",".join(hosts), job_ref, said)
         return False

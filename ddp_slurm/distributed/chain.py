@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm.distributed import badnodes, jobinfo
+from ddp_slurm.distributed import badnodes, jobinfo, slurm
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +49,12 @@ def links() -> int:
         return 0
 
 
-def _scontrol(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
-
-
 def job_info(job_id: str) -> dict[str, str]:
     """``scontrol show job -o`` as a dict (``jobinfo.parse_job``: ``(null)`` is '')."""
-    out = _scontrol("show", "job", "-o", job_id)
-    if out.returncode != 0 or not out.stdout.strip():
-        raise RuntimeError(f"scontrol show job {job_id}: {(out.stderr or out.stdout).strip()}")
-    return jobinfo.parse_job(out.stdout.strip().splitlines()[0])
+    ok, out = slurm.scontrol("show", "job", "-o", job_id)
+    if not ok or not out.strip():
+        raise RuntimeError(f"scontrol show job {job_id}: {out.strip() or 'no output'}")
+    return jobinfo.parse_job(out.strip().splitlines()[0])
 
 
 def resources(info: dict[str, str]) -> list[str]:
@@ -94,9 +90,9 @@ def successor(job_id: str, run_dir: Path, train_args: list[str], exclude: list[s
         folder = Path(run_dir) / "chain"
         folder.mkdir(exist_ok=True)
         script = folder / f"{job_id}.sh"
-        wrote = _scontrol("write", "batch_script", job_id, str(script))
-        if wrote.returncode != 0 or not script.is_file():
-            raise RuntimeError(f"scontrol write batch_script {job_id}: {(wrote.stderr or wrote.stdout).strip()}")
+        ok, said = slurm.scontrol("write", "batch_script", job_id, str(script))
+        if not ok or not script.is_file():
+            raise RuntimeError(f"scontrol write batch_script {job_id}: {said.strip() or 'no script written'}")
         opts = [f"--dependency=afterany:{job_id}", "--kill-on-invalid-dep=yes", *resources(info)]
         if exclude:
             opts.append(f"--exclude={','.join(exclude)}")
