@@ -67,11 +67,6 @@ def test_dataset_samples_and_draws_do_not_depend_on_workers_ranks_or_restarts() 
     assert not torch.equal(other_epoch[0][1], one[0][1])  # a new epoch draws anew
 
 
-def test_first_batch_is_one_rank_batch() -> None:
-    batches = loader.DatasetBatches(Augmented(), CPU, 0, 8, 0, 1, workers=0, prefetch=2)
-    assert loader.batch_size_of(batches.first_batch()) == 8
-
-
 @pytest.mark.parametrize("n,world", [(10, 3), (5000, 4), (7, 7), (3, 4)])
 def test_eval_batches_cover_every_sample_once(n: int, world: int) -> None:
     data = Tensors(torch.arange(n))

@@ -94,11 +94,6 @@ class InMemory:
             index = order[rank_slice(step, self.global_batch, self.rank, self.world)]
             yield tuple(t.index_select(0, index) for t in self.data.tensors)
 
-    def first_batch(self) -> tuple[torch.Tensor, ...]:
-        """A real batch for DDP's warm-up backward (see ddp.settle_buckets); draws no randomness."""
-        n = max(1, self.global_batch // self.world)
-        return tuple(t[:n] for t in self.data.tensors)
-
 
 class StepSampler:
     """Batch sampler: this rank's ``(epoch, index)`` lists for the steps of one epoch from a start step."""
@@ -198,12 +193,6 @@ class DatasetBatches:
         self.sampler.set_position(epoch, start_step)  # read when the loader's iterator starts
         for batch in self.loader:
             yield to_device(batch, self.device)
-
-    def first_batch(self) -> Any:
-        from torch.utils.data import default_collate
-
-        n = max(1, self.global_batch // self.world)
-        return to_device(default_collate([self.dataset[i] for i in range(min(n, len(self.dataset)))]), self.device)  # type: ignore[arg-type]
 
 
 def make_batches(data: Any, device: torch.device, seed: int, global_batch: int, rank: int, world: int, cfg: Any):
