@@ -186,3 +186,35 @@ def test_a_broken_logger_is_one_warning_and_training_finishes(tmp_path: Path) ->
     assert "log.mlflow: could not start" in warnings[0] and "log.wandb: could not start" in warnings[1], warnings
     assert all("training goes on without this logger" in w for w in warnings)
     assert jsonl(tmp_path / "runs" / "broken")[-1]["kind"] == "end"
+
+
+def test_a_run_that_fails_ends_its_mlflow_run_as_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The task raises at its 10th training step: training exits 1, and the MLflow run is not left RUNNING
+    forever: it ends FAILED, holding the losses logged before the error."""
+    if importlib.util.find_spec("mlflow") is None:
+        skip_or_fail("mlflow is not installed: pip install -e '.[test]'")
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "line_task.py").write_text(
+        LINE_TASK
+        + """
+
+class FailingLine(Line):
+    calls = 0
+
+    def training_step(self, model, batch):
+        type(self).calls += 1
+        if type(self).calls == 10:
+            raise RuntimeError("the task's own bug")
+        return super().training_step(model, batch)
+"""
+    )
+    cmd = Launcher(tmp_path).cmd_train("task=line_task.py:FailingLine", *LINE_RUN, "log.mlflow=true", "run.name=fails")
+    res = Launcher(tmp_path).run(cmd, timeout=600, env=base_env())
+    assert res.returncode == 1 and "the task's own bug" in res.stderr, res.stderr
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    ids = json.loads((tmp_path / "runs" / "fails" / "loggers.json").read_text())
+    client = MlflowClient(tracking_uri=ids["mlflow"]["tracking_uri"])
+    run = client.get_run(ids["mlflow"]["run_id"])
+    assert run.info.status == "FAILED", run.info
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4, 8]

@@ -9,6 +9,7 @@ the stop vote in ``vote.py``; what a checkpoint holds is in ``state.py``, when a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -129,7 +130,8 @@ def train(
         resumed = None if path is None else found["state"] if env.rank == 0 else read(path)
         if sharded and resumed is not None:
             resumed = dict(resumed, folder=path)  # the shards are read by every rank in _train
-        return _train(cfg, task, env, device, backend, stop, resumed, t0, dog, hosts, ckpt)
+        with contextlib.ExitStack() as closing:  # the loggers end their run on every way out (FAILED on an error)
+            return _train(cfg, task, env, device, backend, stop, resumed, t0, dog, hosts, ckpt, closing)
     finally:
         syncdebug.reset(device)
         if ckpt.in_flight:  # leaving on an error: the write in flight still ends whole (or not at all)
@@ -152,6 +154,7 @@ def _train(
     dog: Watchdog | None,
     hosts: list[str],
     ckpt: Checkpointer,
+    closing: contextlib.ExitStack,
 ) -> int:
     if resumed is not None and resumed["finished"]:
         name, value = task.best_metric, resumed.get("best", resumed.get("best_accuracy"))
@@ -205,7 +208,9 @@ def _train(
 
     board = tb.open_for(cfg, cfg.run_dir, env.rank)  # log.tensorboard: the same records as TensorBoard events
     sinks = (board, *loggers.open_sinks(cfg, cfg.run_dir, env.rank))  # log.mlflow, log.wandb, log.csv
-    metrics = MetricsWriter(cfg.paths.metrics if env.rank == 0 else None, cfg.paths.shared, sinks=sinks)
+    metrics = closing.enter_context(
+        MetricsWriter(cfg.paths.metrics if env.rank == 0 else None, cfg.paths.shared, sinks=sinks)
+    )
 
     def elapsed() -> float:
         return pos.elapsed_s + time.monotonic() - t0

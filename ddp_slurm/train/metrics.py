@@ -44,7 +44,14 @@ class MetricsWriter:
         for sink in self._sinks:
             sink.write(kind, step, epoch, time_s, **fields)
 
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # a sink that saw no "end" or "stop" record ends its run as failed
+
     def close(self) -> None:
+        """Idempotent: the loop closes after its last record; the way out of an error closes again."""
         if self._file is not None:
             self._file.close()
             self._file = None
