@@ -49,6 +49,7 @@ class StopVote:
         self._staged = _Staged(device) if device.type != "cpu" else None
         self._cuda = _HostCopies(device) if device.type == "cuda" else None
         self._pending: tuple[int, Any, torch.Tensor | None, int] | None = None  # slot, work, loss, step
+        self._local: list[tuple[float, ...]] = [(0.0,) * FLAGS, (0.0,) * FLAGS]  # one CPU rank: the flags as posted
 
     def exchange(self, loss: torch.Tensor | None, step: int, wait: bool = False) -> tuple[bool, bool, bool]:
         """Post this rank's flags after ``step``; return the agreed (requeue, terminate, non-finite)
@@ -60,7 +61,10 @@ class StopVote:
         failed = float(self._failed is not None and self._failed())
         if self._staged is None:  # CPU: the loss is readable at once, and one copy beats four element writes
             bad = 0.0 if loss is None else float(not math.isfinite(loss.item()))
-            flags.copy_(torch.tensor((requeue, terminate, bad, failed)))
+            if self.world_size == 1:  # nothing to agree on: the flags stay Python numbers (no tensor per step)
+                self._local[slot] = (requeue, terminate, bad, failed)
+            else:
+                flags.copy_(torch.tensor((requeue, terminate, bad, failed)))
         else:  # a device buffer: a Python number written into it is a synchronising copy (see _Staged)
             self._staged.post(slot, flags, (requeue, terminate, 0.0, failed))
             if loss is not None:
@@ -86,6 +90,8 @@ class StopVote:
         slot, work, loss, step = pending
         if self._cuda is not None:
             values = self._cuda.read(slot)
+        elif self._staged is None and self.world_size == 1:
+            values = self._local[slot]
         else:
             if work is not None:
                 work.wait()
