@@ -110,11 +110,11 @@ def test_prune_with_memory_reads_each_kept_file_once_and_judges_a_replaced_one_a
 ) -> None:
     """The writer keeps pruning's verdicts across saves (``seen``): a kept file is read once, not at
     every save; a file replaced under the same name (another identity) is judged again."""
-    from ddp_slurm.train.checkpoint import format as ckpt_format
+    from ddp_slurm.train.checkpoint import listing
 
     reads: list[str] = []
-    summary = ckpt_format._summary
-    monkeypatch.setattr(ckpt_format, "_summary", lambda path: reads.append(path.name) or summary(path))
+    summary = listing._summary
+    monkeypatch.setattr(listing, "_summary", lambda path: reads.append(path.name) or summary(path))
     state, seen = make_state(step=0), {}
     for step in (10, 20, 30, 40, 50):
         checkpoint.save(tmp_path, dict(state, step=step), keep=3, seen=seen)

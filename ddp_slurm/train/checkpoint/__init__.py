@@ -1,6 +1,7 @@
 """Checkpoints: ``<run_dir>/checkpoints/step-<N>.pt``, written atomically, sealed, found again on resume.
 
-- ``format.py``: the file (save, load, validate, prune, ``latest`` and the ``accept`` rules);
+- ``format.py``: the file (save, load, validate, ``latest`` and the ``accept`` rules);
+- ``listing.py``: the step files of the folder, and pruning to those of this run's own it keeps;
 - ``fit.py``: does a whole checkpoint fit this run (optimizer, schedule, position, RNG)?
 - ``seal.py``: the trailer that proves every byte of a file is the one written;
 - ``snapshot.py``: host-memory copies of a state, for writes in the background;
