@@ -14,6 +14,7 @@ import subprocess
 import sys
 import termios
 import time
+from pathlib import Path
 
 import helpers
 from conftest import base_env
@@ -119,10 +120,26 @@ def _read_all(fd: int, proc: subprocess.Popen, limit_s: float = 600) -> bytes:
     return out
 
 
+def _on_terminal(cmd: list[str], cwd: Path, columns: int) -> tuple[int, str]:
+    """Run ``cmd`` with stderr on a real pseudo-terminal ``columns`` wide: (exit code, what it drew)."""
+    main_fd, term_fd = pty.openpty()
+    fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=base_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=term_fd
+    )
+    os.close(term_fd)
+    try:
+        text = _read_all(main_fd, proc).decode(errors="replace")
+        proc.wait(timeout=60)
+    finally:
+        os.close(main_fd)
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, text
+
+
 def test_progress_bar_on_a_terminal(tmp_path):
     """stderr is a real pseudo-terminal: rank 0 draws a tqdm bar with loss, samples/s and ETA."""
-    main_fd, term_fd = pty.openpty()
-    fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     # a cnn with small batches: slow enough per step for the bar to redraw with figures in it
     cmd = [
         sys.executable,
@@ -134,18 +151,8 @@ def test_progress_bar_on_a_terminal(tmp_path):
         "train.max_steps=60",
         "train.log_every_steps=5",
     ]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=base_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=term_fd
-    )
-    os.close(term_fd)
-    try:
-        text = _read_all(main_fd, proc).decode(errors="replace")
-        proc.wait(timeout=60)
-    finally:
-        os.close(main_fd)
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, text
+    code, text = _on_terminal(cmd, tmp_path, columns=160)
+    assert code == 0, text
     assert "\r" in text  # redrawn in place
     frames = [f for f in text.split("\r") if f.startswith("epoch 1/1:")]
     assert frames, text
@@ -161,8 +168,6 @@ def test_log_lines_go_through_the_live_bar(tmp_path):
     """A checkpoint every 2 steps while the bar is on a real pseudo-terminal: each checkpoint line is
     written through tqdm (the bar cleared first, ``\\r`` then blanks then ``\\r``), so it starts on a
     clean line and never lands inside the bar's text."""
-    main_fd, term_fd = pty.openpty()
-    fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     cmd = [
         sys.executable,
         "-m",
@@ -175,18 +180,8 @@ def test_log_lines_go_through_the_live_bar(tmp_path):
         "checkpoint.every_steps=2",
         "checkpoint.async=false",  # the line is logged on the training thread, between two bar updates
     ]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=base_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=term_fd
-    )
-    os.close(term_fd)
-    try:
-        text = _read_all(main_fd, proc).decode(errors="replace")
-        proc.wait(timeout=60)
-    finally:
-        os.close(main_fd)
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, text
+    code, text = _on_terminal(cmd, tmp_path, columns=120)
+    assert code == 0, text
     lines = [line for line in text.split("\n") if "checkpoint runs/" in line]
     assert len(lines) == 6, text  # steps 2, 4, ..., 12
     for line in lines:
