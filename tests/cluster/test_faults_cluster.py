@@ -29,7 +29,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -305,12 +305,13 @@ def run_few_ranks(d: Driver) -> dict[str, Any]:
     return {"job": job}
 
 
-def run_capped(d: Driver) -> dict[str, Any]:
-    """The project's script, already at its requeue cap (slurm.max_requeues=0), gets Slurm's stop signal."""
-    job = Job("capped", d.workdir)
+def stop_after_a_checkpoint(d: Driver, job: Job, sbatch: Sequence[str] = (), train: Sequence[str] = ()) -> None:
+    """The project's script on one node, requeue on (``sbatch``, ``train``: options added), gets Slurm's
+    stop signal once it has a checkpoint; returns when the job has ended."""
     d.submit(
         job,
         [
+            *sbatch,
             "--nodes=1",
             "--ntasks-per-node=1",
             "--gpus-per-node=1",
@@ -321,12 +322,18 @@ def run_capped(d: Driver) -> dict[str, Any]:
             f"run.output_root={d.workdir / 'runs'}",
             f"run.name={job.name}",
             *[a for a in TRAIN if a != "slurm.requeue=false"],
-            "slurm.max_requeues=0",
+            *train,
         ],
     )
     d.wait_for(job, "a checkpoint", lambda: checkpoint.list_checkpoints(job.run_dir))
     d.cluster.cancel(job.job_id, "--signal=USR2")
     d.finish(job)
+
+
+def run_capped(d: Driver) -> dict[str, Any]:
+    """The project's script, already at its requeue cap (slurm.max_requeues=0), gets Slurm's stop signal."""
+    job = Job("capped", d.workdir)
+    stop_after_a_checkpoint(d, job, train=["slurm.max_requeues=0"])
     time.sleep(2)  # a requeue would show now as PENDING
     job.info = d.cluster.job_info(job.job_id)
     return {"job": job}
@@ -337,25 +344,7 @@ def run_chained(d: Driver) -> dict[str, Any]:
     signal: `scontrol requeue` is refused, so rank 0 chains a successor job (slurm.requeue_mode=auto)
     that starts once this one has ended and resumes the run."""
     job = Job("chained", d.workdir)
-    d.submit(
-        job,
-        [
-            "--no-requeue",
-            "--nodes=1",
-            "--ntasks-per-node=1",
-            "--gpus-per-node=1",
-            "--cpus-per-task=1",
-            str(REPO / "sbatch" / "mnist_4node.sh"),
-            "--config",
-            SAMPLE,
-            f"run.output_root={d.workdir / 'runs'}",
-            f"run.name={job.name}",
-            *[a for a in TRAIN if a != "slurm.requeue=false"],
-        ],
-    )
-    d.wait_for(job, "a checkpoint", lambda: checkpoint.list_checkpoints(job.run_dir))
-    d.cluster.cancel(job.job_id, "--signal=USR2")
-    d.finish(job)
+    stop_after_a_checkpoint(d, job, sbatch=["--no-requeue"])
     ended = d.cluster.job_info(job.job_id)["EndTime"]
     new = d.wait_for(job, "the chained job", lambda: (m := re.search(r"chained job (\d+)", job.text())) and m[1])
     nxt = Job("chained", d.workdir, job_id=new)
