@@ -30,7 +30,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -236,11 +236,17 @@ def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Future]:
             d.job("sigterm_2node", "mnist_4node.sh", ["--nodes=2", *PER_NODE], mlp),
         ),
     }
+    yield from started(d, plan)
+
+
+def started(d: Driver, plan: dict[str, tuple]) -> Iterator[dict[str, Future]]:
+    """The scenarios of ``plan`` (name: (scenario, job)) started side by side, in its order (Slurm's job
+    ids follow it); on the way out, whatever still runs is cancelled."""
     pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="slurm-job")
     futures = {}
     for name, (scenario, job) in plan.items():
         futures[name] = pool.submit(scenario, d, job)
-        time.sleep(0.5)  # keep Slurm's job ids in the order above
+        time.sleep(0.5)  # keep Slurm's job ids in the order of the plan
     try:
         yield futures
     finally:
@@ -432,17 +438,7 @@ def fsdp_jobs(slurm_cluster, tmp_path_factory) -> dict[str, Future]:
             d.job("fsdp_resize", "mnist_4node.sh", four_node, [*FSDP, "slurm.requeue=false"], epochs=1),
         ),
     }
-    pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="slurm-fsdp-job")
-    futures = {}
-    for name, (scenario, job) in plan.items():
-        futures[name] = pool.submit(scenario, d, job)
-        time.sleep(0.5)
-    try:
-        yield futures
-    finally:
-        if not all(f.done() for f in futures.values()):
-            d.cancel_all()
-        pool.shutdown(wait=True)
+    yield from started(d, plan)
 
 
 def test_fsdp_trains_on_4_nodes_and_requeue_ends_bit_identical(fsdp_jobs):

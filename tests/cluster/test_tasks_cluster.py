@@ -37,6 +37,7 @@ from cluster.test_sbatch import (
     rank_hosts,
     run_plain,
     run_scancel_usr2,
+    started,
 )
 from tasks_helpers import LINE_RUN, addition_tiny, write_line_task
 
@@ -100,21 +101,6 @@ def addition_job(d: TaskDriver, name: str, script: str = "mnist_4node.sh") -> Jo
 @pytest.fixture(scope="module")
 def driver(slurm_cluster, tmp_path_factory) -> TaskDriver:
     return TaskDriver(slurm_cluster, tmp_path_factory.mktemp("tasks-sbatch"))
-
-
-def started(d: TaskDriver, plan: dict[str, tuple]) -> Iterator[dict[str, Future]]:
-    """The scenarios of ``plan`` started side by side; on the way out, whatever still runs is cancelled."""
-    pool = ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="slurm-task-job")
-    futures = {}
-    for name, (scenario, job) in plan.items():
-        futures[name] = pool.submit(scenario, d, job)
-        time.sleep(0.5)
-    try:
-        yield futures
-    finally:
-        if not all(f.done() for f in futures.values()):
-            d.cancel_all()
-        pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")
