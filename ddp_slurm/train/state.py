@@ -175,25 +175,48 @@ def restore(
     state = upgrade(state)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    task.load_state_dict(state["task"])
-    same_world = len(state["rng"]) == world_size
-    if same_world:
-        set_rng_state(state["rng"][rank], device)
+    return resume_rest(
+        state,
+        scheduler,
+        task,
+        seed,
+        device,
+        rank,
+        world_size,
+        what="a checkpoint",
+        changed="same samples and order, fresh per-rank RNG streams (see docs/tasks.md, 'Resume')",
+    )
+
+
+def resume_rest(
+    record: dict[str, Any],
+    scheduler: Any,
+    task: Any,
+    seed: int,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    what: str,
+    changed: str,
+) -> Position:
+    """What follows the model and optimizer, whole or sharded: the schedule, the task's own state,
+    this rank's RNG streams (fresh ones at another world size, with one warning naming ``what`` and
+    what ``changed``), and the position to continue from."""
+    scheduler.load_state_dict(record["scheduler"])
+    task.load_state_dict(record["task"])
+    if len(record["rng"]) == world_size:
+        set_rng_state(record["rng"][rank], device)
     else:
-        seed_rank(seed, rank, state["step"], device)
+        seed_rank(seed, rank, record["step"], device)
         if rank == 0:
             log.warning(
-                "resuming at world size %d from a checkpoint of world size %d: same samples and order, "
-                "fresh per-rank RNG streams (see docs/tasks.md, 'Resume')",
-                world_size,
-                len(state["rng"]),
+                "resuming at world size %d from %s of world size %d: %s", world_size, what, len(record["rng"]), changed
             )
     return Position(
-        step=state["step"],
-        epoch=state["epoch"],
-        step_in_epoch=state["step_in_epoch"],
-        elapsed_s=state["elapsed_s"],
-        best=state["best"],
-        last_saved=state["step"],
+        step=record["step"],
+        epoch=record["epoch"],
+        step_in_epoch=record["step_in_epoch"],
+        elapsed_s=record["elapsed_s"],
+        best=record["best"],
+        last_saved=record["step"],
     )

@@ -284,26 +284,16 @@ def restore(
     shards = {"model": msd, "optim": osd}
     dcp.load(shards, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
-    scheduler.load_state_dict(record["scheduler"])
-    task.load_state_dict(record["task"])
-    if len(record["rng"]) == world_size:
-        state.set_rng_state(record["rng"][rank], device)
-    else:
-        state.seed_rank(seed, rank, record["step"], device)
-        if rank == 0:
-            log.warning(
-                "resuming at world size %d from a sharded checkpoint of world size %d: shards re-split by DCP, "
-                "same samples and order, fresh per-rank RNG streams (see docs/scaling.md)",
-                world_size,
-                len(record["rng"]),
-            )
-    return state.Position(
-        step=record["step"],
-        epoch=record["epoch"],
-        step_in_epoch=record["step_in_epoch"],
-        elapsed_s=record["elapsed_s"],
-        best=record["best"],
-        last_saved=record["step"],
+    return state.resume_rest(
+        record,
+        scheduler,
+        task,
+        seed,
+        device,
+        rank,
+        world_size,
+        what="a sharded checkpoint",
+        changed="shards re-split by DCP, same samples and order, fresh per-rank RNG streams (see docs/scaling.md)",
     )
 
 
