@@ -56,27 +56,35 @@ def test_a_non_finite_loss_is_named_with_its_step(value: float) -> None:
     assert votes.bad == f"loss is {value} at step 7"
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_every_step_reads_exactly_the_flags_posted_one_step_before(seed: int) -> None:
-    """Random signals and save steps over 60 steps: each exchange returns the flags posted by the step
-    before (plus its own with wait=True), whichever of the two buffers they went through."""
+def _random_signals(
+    votes: StopVote, stop: StopFlag, seed: int, steps: int, bad_share: float, bad_value: float
+) -> tuple[bool, bool, bool] | None:
+    """Random signals, non-finite losses and save steps: each exchange must return the flags posted by
+    the step before (plus its own with wait=True). Returns what the last exchange posted, if unread."""
     import random
 
     rng = random.Random(seed)
-    stop = StopFlag()
-    votes = StopVote(stop, 1, torch.device("cpu"))
     posted: tuple[bool, bool, bool] | None = None  # what the previous exchange posted, if not yet read
-    for step in range(1, 61):
+    for step in range(1, steps + 1):
         stop.requeue_requested, stop.terminate_requested = rng.random() < 0.3, rng.random() < 0.3
-        bad = rng.random() < 0.1
-        wait = rng.random() < 0.2
+        bad, wait = rng.random() < bad_share, rng.random() < 0.2
         now = (stop.requeue_requested, stop.terminate_requested, bad)
-        got = votes.exchange(torch.tensor(float("nan") if bad else 0.5), step, wait=wait)
+        got = votes.exchange(torch.tensor(bad_value if bad else 0.5), step, wait=wait)
         expected = posted or (False, False, False)
         if wait:
             expected = tuple(a or b for a, b in zip(expected, now))
         assert got == expected, (step, got, expected)
         posted = None if wait else now
+    return posted
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_step_reads_exactly_the_flags_posted_one_step_before(seed: int) -> None:
+    """Random signals and save steps over 60 steps: each exchange returns the flags posted by the step
+    before (plus its own with wait=True), whichever of the two buffers they went through."""
+    stop = StopFlag()
+    votes = StopVote(stop, 1, torch.device("cpu"))
+    posted = _random_signals(votes, stop, seed, steps=60, bad_share=0.1, bad_value=float("nan"))
     assert votes.settle() == (posted or (False, False, False))
     assert votes.settle() == (False, False, False)
 
@@ -135,23 +143,10 @@ def test_the_vote_never_writes_a_python_number_into_a_device_buffer(loss: str | 
 def test_the_staged_path_carries_the_same_flags(seed: int) -> None:
     """The device path's staging (host flags into pinned memory, one copy per step), run for real
     on CPU tensors: every exchange returns what the plain path would."""
-    import random
-
-    rng = random.Random(seed)
     stop = StopFlag()
     votes = StopVote(stop, 1, torch.device("cpu"))
     votes._staged = _Staged(torch.device("cpu"))
-    posted: tuple[bool, bool, bool] | None = None
-    for step in range(1, 41):
-        stop.requeue_requested, stop.terminate_requested = rng.random() < 0.3, rng.random() < 0.3
-        bad, wait = rng.random() < 0.2, rng.random() < 0.2
-        now = (stop.requeue_requested, stop.terminate_requested, bad)
-        got = votes.exchange(torch.tensor(float("inf") if bad else 0.5), step, wait=wait)
-        expected = posted or (False, False, False)
-        if wait:
-            expected = tuple(a or b for a, b in zip(expected, now))
-        assert got == expected, (step, got, expected)
-        posted = None if wait else now
+    _random_signals(votes, stop, seed, steps=40, bad_share=0.2, bad_value=float("inf"))
 
 
 class _Reads(TorchDispatchMode):
