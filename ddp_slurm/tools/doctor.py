@@ -27,7 +27,7 @@ from typing import Any
 from ddp_slurm import bootstrap, text
 from ddp_slurm.bootstrap import BootstrapError, DistEnv, RendezvousError
 from ddp_slurm.exitcodes import EXIT_FAILURE as EXIT_FAIL
-from ddp_slurm.exitcodes import EXIT_OK
+from ddp_slurm.exitcodes import EXIT_OK, exit_now
 from ddp_slurm.tools.preflight import (
     Failure,
     Report,
@@ -301,7 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         say(fail_line(rep.where(), failure))
     if fails:
         return EXIT_FAIL
+    # From here a thread may be left inside torch's C++ (a store connect past its deadline, a gloo
+    # worker): interpreter finalization would abort the process under it and lose the verdict's exit
+    # status (see exitcodes.exit_now), so the doctor leaves without finalizing.
+    exit_now(_meet_and_measure(args, env, rep, suspects, say))
 
+
+def _meet_and_measure(args: argparse.Namespace, env: DistEnv, rep: Report, suspects: list[str], say) -> int:
     deadline = PhaseDeadline(say)
     grace = max(10.0, args.timeout / 2)  # torch's own timeout fires first and names the cause better
     deadline.arm(args.timeout + grace, lambda: fail_line(rep.where(), stuck_rendezvous(rep, args.timeout + grace)))
