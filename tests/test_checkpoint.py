@@ -105,11 +105,11 @@ def test_prune_keeps_the_newest(tmp_path: Path) -> None:
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [100, 60]
 
 
-def test_prune_with_memory_reads_each_kept_file_once_and_judges_a_replaced_one_again(
+def test_prune_with_memory_reads_only_files_it_did_not_write_once_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The writer keeps pruning's verdicts across saves (``seen``): a kept file is read once, not at
-    every save; a file replaced under the same name (another identity) is judged again."""
+    """The writer keeps pruning's verdicts across saves (``seen``): a checkpoint it wrote itself is never
+    read back; a file that came another way (junk, a file replaced under a kept name) is judged once."""
     from ddp_slurm.train.checkpoint import listing
 
     reads: list[str] = []
@@ -119,17 +119,25 @@ def test_prune_with_memory_reads_each_kept_file_once_and_judges_a_replaced_one_a
     for step in (10, 20, 30, 40, 50):
         checkpoint.save(tmp_path, dict(state, step=step), keep=3, seen=seen)
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [50, 40, 30]
-    assert sorted(reads) == sorted(f"step-{s}.pt" for s in (10, 20, 30, 40, 50))  # each once
-    # A junk file under a kept name: judged again, left alone with one warning, never counted.
+    assert reads == []
+    # A junk file under a checkpoint's name: judged once, left alone with one warning, never counted.
     junk = tmp_path / "checkpoints" / "step-999.pt"
     junk.write_bytes(b"not a checkpoint")
     for step in (60, 70):
         checkpoint.save(tmp_path, dict(state, step=step), keep=3, seen=seen)
+    assert reads == ["step-999.pt"]
     assert caplog.text.count("leaving") == 1 and "step-999.pt" in caplog.text
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [999, 70, 60, 50]
-    (tmp_path / "checkpoints" / "step-70.pt").unlink()
-    checkpoint.save(tmp_path, dict(make_state(step=0, seed=1), step=70), keep=3, seen=seen)  # same name, new file
-    assert reads.count("step-70.pt") == 2
+    # Another file under a kept name (another identity): judged as the stranger it is.
+    other = checkpoint.save(tmp_path / "other", dict(make_state(step=0, seed=1), step=60), keep=3)
+    os.replace(other, tmp_path / "checkpoints" / "step-60.pt")
+    checkpoint.save(tmp_path, dict(state, step=80), keep=3, seen=seen)
+    assert reads == ["step-999.pt", "step-60.pt"]
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [999, 80, 70, 60]
+    # Without memory (a caller that keeps none) every kept file is judged again: the verdicts agree.
+    checkpoint.save(tmp_path, dict(state, step=90), keep=3)
+    assert sorted(reads[2:]) == ["step-60.pt", "step-70.pt", "step-80.pt", "step-999.pt"]
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [999, 90, 80, 70]
 
 
 def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:

@@ -95,11 +95,13 @@ def prune(
     just written: this run's; ``ours``, its (config, model shapes), when the caller has them). A junk
     ``step-999999999.pt`` (another tool's file, a half-finished copy) or another run's valid checkpoint
     with a higher step would otherwise take a slot and get this run's checkpoints deleted. Such files
-    are left alone with a warning. ``newest`` is never deleted. (The seal is not read here: that would
+    are left alone with a warning. ``newest`` is never deleted, and never read when the caller gives
+    ``ours``: it has just written that file from that state. (The seal is not read here: that would
     read every kept file in full at each save.) ``seen``: verdicts of earlier calls, by file identity
-    (inode, size, modification time) and ``ours``, so that a writer saving every few seconds reads
-    each kept file once, not at every save.
+    (inode, size, modification time) and ``ours``, so that a writer saving every few seconds never
+    reads back what it wrote, and reads a file that came another way once, not at every save.
     """
+    written = newest if ours is not None else None  # reading it back costs more than writing it did
     if ours is None and newest is not None:
         try:
             _, config_of, shapes = _summary(newest)
@@ -114,13 +116,16 @@ def prune(
         except OSError:
             continue  # removed meanwhile
         key = (path, st.st_ino, st.st_size, st.st_mtime_ns, mine)
-        why = seen.get(key) if seen is not None else None
-        if why is None:
+        if path == written:
+            why = ""  # written from ``ours`` a moment ago: this run's by construction
+        elif seen is not None and key in seen:
+            why = seen[key]
+        else:
             why = _judge(path, step, ours, newest)
             if why:
                 log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, why)
-            if seen is not None:
-                seen[key] = why
+        if seen is not None:
+            seen[key] = why
         if not why:
             trusted.append((step, path))
     trusted.sort(key=lambda item: (item[1] == newest, item[0]), reverse=True)
