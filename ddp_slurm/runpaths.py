@@ -4,11 +4,19 @@
 
     config.yaml      the resolved config (rundir.prepare writes it; a resume compares against it)
     metrics.jsonl    rank 0's records, one JSON object per line (train/metrics.py)
-    checkpoints/     step-<N>.pt, atomically written, the last checkpoint.keep kept (train/checkpoint/)
+    checkpoints/     step-<N>.pt (ddp) or step-<N>/ (fsdp, a folder of shards, written as
+                     .step-<N>.partial/ and renamed when committed); the last checkpoint.keep kept
     .lock            the flock one launch holds while it trains (train/rundir.py)
-    tensorboard/     event files with log.tensorboard=true (train/tb.py)
+    lost_nodes       hosts a run lost a rank on, one line each (distributed/badnodes.py)
+    chain/           the batch scripts of chained successor jobs, <job id>.sh (distributed/chain.py)
+    loggers.json     each logger's run id, so every launch logs into one logger run (train/loggers/)
+    tensorboard/     event files with log.tensorboard=true
+    csv/             train.csv, eval.csv, events.csv with log.csv=true
+    mlruns/          MLflow's file store with log.mlflow=true
     submitit/        the logs and pickles of jobs sent by ``submit`` (launch/plan.py, tools/jobacct.py)
     report.png       the plots of ``report`` (tools/report.py)
+
+A sweep directory holds ``sweep.json`` (what was submitted) beside its runs' directories.
 
 ``shared`` is ``run.shared``: the modes of what is written there (a team run several users resume), and
 whether a teammate's file may be trusted. It travels with the paths because every writer of the
@@ -47,13 +55,49 @@ class RunPaths:
         """``checkpoints/step-<N>.pt``, the checkpoint of step N (``step`` may be a glob, ``"*"``)."""
         return self.checkpoints / f"step-{step}.pt"
 
+    def sharded(self, step: int | str) -> Path:
+        """``checkpoints/step-<N>/``, the sharded checkpoint (a folder) of step N (``step`` may be a glob)."""
+        return self.checkpoints / f"step-{step}"
+
+    def partial(self, step: int | str) -> Path:
+        """``checkpoints/.step-<N>.partial/``: a sharded checkpoint being written, renamed once committed."""
+        return self.checkpoints / f".step-{step}.partial"
+
     @property
     def lock(self) -> Path:
         return self.root / ".lock"
 
     @property
+    def lost_nodes(self) -> Path:
+        return self.root / "lost_nodes"
+
+    @property
+    def chain(self) -> Path:
+        return self.root / "chain"
+
+    def chain_script(self, job_id: str) -> Path:
+        return self.chain / f"{job_id}.sh"
+
+    @property
+    def loggers(self) -> Path:
+        return self.root / "loggers.json"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
+
+    @property
+    def csv(self) -> Path:
+        return self.root / "csv"
+
+    @property
+    def mlruns(self) -> Path:
+        return self.root / "mlruns"
+
+    @property
+    def sweep(self) -> Path:
+        """``sweep.json`` of a sweep directory (``root`` is the sweep's folder, not one of its runs)."""
+        return self.root / "sweep.json"
 
     @property
     def submitit(self) -> Path:

@@ -182,6 +182,44 @@ def open_owned(path: Path, flags: int, shared: bool = False) -> int:
     return fd
 
 
+def append_owned(path: Path, text: str, shared: bool = False) -> None:
+    """Append ``text`` to a file that lives across launches (a node list, a log of events): created if
+    missing, never through a symlink, never into a FIFO, device or another user's file (``open_owned``:
+    ``UnsafePath``). One ``write`` with ``O_APPEND``: lines from several processes land whole."""
+    fd = open_owned(Path(path), os.O_WRONLY | os.O_APPEND, shared)
+    try:
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+
+
+def read_small(path: Path, limit: int = 1 << 20) -> str | None:
+    """The text of a small file the run itself wrote (a node list, a manifest), or None when it does not
+    exist. Never follows a symlink (``/dev/zero`` behind one would fill memory), never blocks on a FIFO,
+    never reads more than ``limit`` bytes: ``UnsafePath`` names what is there instead of a plain file."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            raise UnsafePath(
+                f"{path} is a {_kind(os.lstat(path).st_mode)}, not a file this run wrote: remove it"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafePath(f"{path} is a {_kind(mode)}, not a file this run wrote: remove it")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafePath(f"{path} is larger than {limit} bytes: not a file this run wrote; remove it")
+    return data.decode("utf-8", errors="replace")
+
+
 def check_trusted(path: Path, shared: bool = False, use: str = "resume from") -> None:
     """Refuse to resume from ``path`` (a run directory, its config, a checkpoint or its folder) when
     someone else could have written it: a symlink, another owner, writable by others, or writable by
