@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from ddp_slurm import errors
 from ddp_slurm.runpaths import RunPaths
 
 DIR_MODE, FILE_MODE = 0o750, 0o640
@@ -39,8 +40,8 @@ _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _REOPEN = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
-class UnsafePath(RuntimeError):
-    """A path the run must not write or trust (symlink, not a plain file, foreign owner, loose mode)."""
+class UnsafePath(errors.UsageError):
+    """A path the run must not write or trust (symlink, not a plain file, foreign owner, loose mode): exit 2."""
 
 
 def modes(shared: bool) -> tuple[int, int]:

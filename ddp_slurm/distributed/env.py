@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ddp_slurm import errors
+
 if TYPE_CHECKING:
     pass
 
@@ -36,11 +38,11 @@ _FIRST_SPECIAL_STEP = 0xFFFFFFF0
 _SPECIAL_STEP_NAMES = {"batch", "extern", "interactive"}
 
 
-class BootstrapError(ValueError):
-    """The environment does not describe a usable distributed layout."""
+class BootstrapError(errors.UsageError, ValueError):
+    """The environment does not describe a usable distributed layout (exit 2: nothing started)."""
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(errors.Error):
     """The ranks did not manage to form a process group."""
 
 

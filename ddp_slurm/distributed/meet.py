@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ddp_slurm import errors
 from ddp_slurm.distributed.env import DistEnv, RendezvousError
 
 MARGIN_S = 5.0  # beyond dist.timeout_s: torch's own timeout errors (more precise) come first
@@ -37,7 +38,7 @@ SECRET_HINT = "DDP_SLURM_SECRET"
 STOP_GRACE_S = 5.0
 
 
-class RendezvousStopped(Exception):
+class RendezvousStopped(errors.Stopped):
     """A stop signal came while this rank waited for the others: nothing was started, nothing to save."""
 
 

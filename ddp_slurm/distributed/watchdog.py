@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from ddp_slurm import errors
 from ddp_slurm.distributed import rdzv
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 ENDED = "ended"  # the heartbeat value of a rank that left on its own (it saw the failure too)
 
 
-class PeerLost(RuntimeError):
+class PeerLost(errors.Error):
     """One or more ranks (or the store's host) vanished; the message names them. One line."""
 
 

@@ -41,8 +41,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 
+from ddp_slurm import exitcodes
 from ddp_slurm.exitcodes import EXIT_STOPPED
-from ddp_slurm.launch import exits
 from ddp_slurm.train.signals import StopFlag
 
 log = logging.getLogger("ddp_slurm.launch")
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
             # SIGTERM & co. (a requeue, a preemption, scancel): torchrun has already passed it on to the
             # workers and waited for them, which checkpoint on SIGTERM. One line instead of a traceback.
             sig = signal.Signals(exc.sigval)
-            if sig == signal.SIGINT and exits.all_stopped(exit_dir, _local_workers(args), EXIT_STOPPED):
+            if sig == signal.SIGINT and exitcodes.all_stopped(exit_dir, _local_workers(args), EXIT_STOPPED):
                 log.info(
                     "interrupted: every worker stopped after a checkpoint; exit %d (launch again to resume)",
                     EXIT_STOPPED,
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
         log.info("%s before any worker started: nothing to save; exit %d (launch again)", names, EXIT_STOPPED)
         return EXIT_STOPPED
     with tempfile.TemporaryDirectory(prefix="ddp-slurm-exits-") as exit_dir:
-        os.environ[exits.ENV] = exit_dir  # the workers inherit it (see launch/exits.py)
+        os.environ[exitcodes.EXIT_DIR_ENV] = exit_dir  # the workers inherit it (see exitcodes.py)
         return launch(parsed, Path(exit_dir))
 
 

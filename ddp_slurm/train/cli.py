@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddp_slurm import __version__
+from ddp_slurm import __version__, exitcodes
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE, exit_now
 from ddp_slurm.train.signals import StopFlag
 
@@ -76,14 +76,13 @@ def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
     args = parse_args(argv)
     if args.print_config or args.explain:
         return print_config(args)
-    from ddp_slurm.launch import exits
     from ddp_slurm.train import entry
 
-    exits.started()  # under the local launcher: how it tells a clean stop from a killed worker
+    exitcodes.started()  # under the local launcher: how it tells a clean stop from a killed worker
     code = entry.train(args.config, args.overrides, stop=stop)
     if stop is not None:
         stop.close()  # main leaves a flag it was given to its caller (see signals.py on close())
-    exits.record(code)
+    exitcodes.record(code)
     exit_now(code)  # leaves the process (see exitcodes.exit_now)
     return EXIT_OK  # not reached
 
