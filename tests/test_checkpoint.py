@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import helpers
@@ -25,7 +26,8 @@ from ddp_slurm import config
 from ddp_slurm.bootstrap import DistEnv
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train import state as state_mod
+from ddp_slurm.train.checkpoint import state as state_mod
+from ddp_slurm.train.checkpoint.backends import WholeFile
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 
@@ -113,8 +115,8 @@ def test_prune_with_memory_reads_only_files_it_did_not_write_once_each(
     from ddp_slurm.train.checkpoint import listing
 
     reads: list[str] = []
-    summary = listing._summary
-    monkeypatch.setattr(listing, "_summary", lambda path: reads.append(path.name) or summary(path))
+    summary = listing.summary
+    monkeypatch.setattr(listing, "summary", lambda path: reads.append(path.name) or summary(path))
     state, seen = make_state(step=0), {}
     for step in (10, 20, 30, 40, 50):
         checkpoint.save(tmp_path, dict(state, step=step), keep=3, seen=seen)
@@ -153,19 +155,17 @@ def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
         scheduler = make_scheduler(cfg.train, optimizer, 10)
         ddp(torch.randn(4, 1, 28, 28)).sum().backward()
         optimizer.step()
-        snapshot = state_mod.capture(
-            model,
-            optimizer,
-            scheduler,
-            helpers.TASK,
-            state_mod.Position(step=7),
-            False,
-            1.0,
-            {"config": cfg.to_dict()},
-            torch.device("cpu"),
-            env.rank,
-            env.world_size,
+        run = SimpleNamespace(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            task=helpers.TASK,
+            pos=state_mod.Position(step=7),
+            device=torch.device("cpu"),
+            rank=env.rank,
+            world_size=env.world_size,
         )
+        snapshot = WholeFile().capture(run, False, 1.0, {"config": cfg.to_dict()})
         checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep)
     finally:
         dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""Sharded checkpoints on disk (``train/checkpoint/sharded.py``): what counts as a checkpoint, verified on
-load, pruned by what passes. One real 1-rank fsdp run writes them; each test works on a copy."""
+"""Sharded checkpoints on disk (``train/checkpoint/sharded.py``, through the gate): what counts as a
+checkpoint, verified on load, pruned by what passes. One real 1-rank fsdp run writes them; each test works
+on a copy."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 from conftest import base_env
 
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train.checkpoint import sharded
+from ddp_slurm.train.checkpoint import gate, listing, sharded
+from ddp_slurm.train.checkpoint.backends import Sharded
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,8 @@ def flip(path: Path, offset: int = 100) -> None:
 
 
 def test_the_newest_committed_checkpoint_is_found_and_holds_the_whole_state(run: Path) -> None:
-    assert [s for s, _ in sharded.list_sharded(run)] == [30, 20, 10]
-    folder, record = sharded.latest(run)
+    assert [s for s, _ in sharded.list_sharded(RunPaths(run))] == [30, 20, 10]
+    folder, record = checkpoint.latest(run)
     assert folder.name == "step-30" and record["step"] == 30 and record["finished"] and len(record["rng"]) == 1
     state = checkpoint.load_latest(run)  # gathered into one state, without a process group
     assert state["step"] == 30 and state["model"]["1.weight"].shape == torch.Size([100, 784])
@@ -54,7 +57,7 @@ def test_the_newest_committed_checkpoint_is_found_and_holds_the_whole_state(run:
         assert path.stat().st_mode & 0o777 == (0o750 if path.is_dir() else 0o640), path
 
 
-@pytest.mark.parametrize("damage", ["shard", "metadata", "commit", "missing", "uncommitted"])
+@pytest.mark.parametrize("damage", ["shard", "metadata", "commit", "missing"])
 def test_a_damaged_checkpoint_is_skipped_for_the_one_before(
     run: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -65,33 +68,43 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(
         flip(newest / ".metadata", 10)
     elif damage == "commit":
         flip(newest / "commit.pt", 200)
-    elif damage == "missing":
+    else:
         (newest / "__0_0.distcp").unlink()
-    else:  # a folder renamed into place by hand, without its commit record
-        (newest / "commit.pt").unlink()
     with caplog.at_level(logging.WARNING):
-        folder, record = sharded.latest(run)
+        folder, record = checkpoint.latest(run)
     assert folder.name == "step-20" and record["step"] == 20
     assert f"skipping checkpoint {newest}" in caplog.text
 
 
+def test_a_folder_without_its_commit_record_is_no_checkpoint(run: Path) -> None:
+    """A folder renamed into place by hand, or somebody's empty ``step-N``: not a candidate at all."""
+    (run / "checkpoints" / "step-30" / "commit.pt").unlink()
+    (run / "checkpoints" / "step-99").mkdir()
+    assert [s for s, _ in sharded.list_sharded(RunPaths(run))] == [20, 10]
+    assert checkpoint.latest(run)[0].name == "step-20"
+
+
 def test_no_usable_checkpoint_among_several_is_an_error(run: Path) -> None:
-    for _, folder in sharded.list_sharded(run):
+    for _, folder in sharded.list_sharded(RunPaths(run)):
         flip(folder / "__0_0.distcp")
     with pytest.raises(checkpoint.CheckpointError, match="refusing to start over"):
-        sharded.latest(run)
+        checkpoint.latest(run)
 
 
 def test_pruning_counts_only_committed_checkpoints(run: Path) -> None:
-    folder = run / "checkpoints"
+    folder, paths = run / "checkpoints", RunPaths(run)
     (folder / "step-99").mkdir()  # not a checkpoint: no commit record; left alone, not counted
-    sharded.prune(run, 1, folder / "step-30")
+    backend = Sharded()
+    judge = gate.Gate(backend, paths, []).judge_summary
+    listing.prune(
+        backend.candidates(paths), 1, folder / "step-30", summary_of=backend.summary, judge=judge, remove=sharded.remove
+    )
     assert sorted(p.name for p in folder.iterdir()) == ["step-30", "step-99"]
 
 
 def test_partial_writes_are_cleared_and_never_count(run: Path) -> None:
-    partial = run / "checkpoints" / sharded.partial_name(40)
+    partial = RunPaths(run).partial(40)
     shutil.copytree(run / "checkpoints" / "step-30", partial)
-    assert sharded.latest(run)[0].name == "step-30"
-    sharded.remove_stale_partials(run)
+    assert checkpoint.latest(run)[0].name == "step-30"
+    sharded.remove_stale_partials(RunPaths(run))
     assert not partial.exists()

@@ -13,15 +13,20 @@ import signal
 import stat
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import helpers
 import pytest
 import torch
 from conftest import Launcher
-from test_checkpoint import make_state
 
 from ddp_slurm import config
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
+from ddp_slurm.train.checkpoint.backends import WholeFile
+from ddp_slurm.train.checkpoint.state import Position
+from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 ARGS = [
     "model.name=mlp",
@@ -88,8 +93,27 @@ def test_async_stop_mid_run_exits_75_and_resume_is_bit_identical(tmp_path: Path,
 
 # --------------------------------------------------------------------------- the section's owner, alone
 def checkpointer(tmp_path: Path, *overrides: str, shared: bool = False) -> checkpoint.Checkpointer:
-    cfg = config.load(None, [f"run.output_root={tmp_path}", "run.name=c", *overrides])
-    return checkpoint.Checkpointer(cfg.checkpoint, RunPaths(cfg.run_dir, shared))
+    """A Checkpointer over a real mlp, its optimizer and schedule, as the loop registers them (rank 0 of 1)."""
+    cfg = config.load(None, [f"run.output_root={tmp_path}", "run.name=c", "model.name=mlp", *overrides])
+    model = models.build("mlp")
+    optimizer = make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
+    run = SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        scheduler=make_scheduler(cfg.train, optimizer, 100),
+        task=helpers.TASK,
+        pos=Position(),
+        device=torch.device("cpu"),
+        rank=0,
+        world_size=1,
+        seed=0,
+    )
+    return checkpoint.Checkpointer(cfg.checkpoint, RunPaths(cfg.run_dir, shared), WholeFile(), run, cfg)
+
+
+def save_at(ckpt: checkpoint.Checkpointer, step: int, urgent: bool = False) -> Path | None:
+    ckpt.run.pos.step = step
+    return ckpt.save(False, 1.0, {"config": ckpt.cfg.to_dict()}, urgent=urgent)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +128,7 @@ def test_cadence_is_every_steps_and_every_epoch_end(tmp_path: Path, every: int, 
 
 def test_sync_save_returns_the_path_and_keeps_the_newest(tmp_path: Path) -> None:
     ckpt = checkpointer(tmp_path, "checkpoint.async=false", "checkpoint.keep=2")
-    paths = [ckpt.save(make_state(step)) for step in (10, 20, 30)]
+    paths = [save_at(ckpt, step) for step in (10, 20, 30)]
     assert paths == [ckpt.paths.checkpoint(s) for s in (10, 20, 30)]
     assert [s for s, _ in checkpoint.list_checkpoints(ckpt.paths.root)] == [30, 20]
     assert not ckpt.in_flight and ckpt.wait() is None
@@ -114,7 +138,7 @@ def test_async_save_is_durable_after_wait_with_the_run_s_file_modes(tmp_path: Pa
     ckpt = checkpointer(tmp_path, "checkpoint.async=true", shared=True)
     old = os.umask(0o002)  # a group project area's umask: the mode is the writer's choice
     try:
-        assert ckpt.save(make_state(7), urgent=True) is None  # handed to the writer
+        assert save_at(ckpt, 7, urgent=True) is None  # handed to the writer
         assert ckpt.wait() == ckpt.paths.checkpoint(7) and not ckpt.failed
     finally:
         os.umask(old)

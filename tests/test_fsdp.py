@@ -20,6 +20,7 @@ import torch
 from tasks_helpers import LINE_RUN, addition_tiny, write_line_task
 from test_resume import Launch, assert_resumed_from, run_to_end, start
 
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import checkpoint, fsdp, loader
 from ddp_slurm.train.checkpoint import sharded as ckpt_sharded
 from ddp_slurm.train.step import Padding
@@ -46,7 +47,7 @@ def launches() -> Iterator[list[Launch]]:
 
 
 def committed(run_dir: Path) -> list[int]:
-    return [step for step, folder in ckpt_sharded.list_sharded(run_dir) if (folder / ckpt_sharded.COMMIT).exists()]
+    return [step for step, _ in ckpt_sharded.list_sharded(RunPaths(run_dir))]
 
 
 def assert_same_state(run_dir: Path, reference: Path) -> None:
@@ -167,7 +168,7 @@ def test_kill9_during_a_sharded_write_leaves_the_previous_checkpoint(launches: l
         partial: list[Path] = []
 
         def writing() -> bool:
-            partial[:] = list(folder.glob(ckpt_sharded.partial_name("*")))
+            partial[:] = list(folder.glob(RunPaths(tmp_path).partial("*").name))
             return bool(partial)
 
         workers = [launch.worker(rank) for rank in range(2)]  # torchrun starts each in a session of its own
@@ -185,7 +186,7 @@ def test_kill9_during_a_sharded_write_leaves_the_previous_checkpoint(launches: l
     in_flight = int(partial[0].name.split("-")[1].split(".")[0])
     newest = committed(launch.run_dir)[0]
     assert newest < in_flight
-    found = ckpt_sharded.latest(launch.run_dir)
+    found = checkpoint.latest(launch.run_dir)
     assert found is not None and found[1]["step"] == newest
 
     again = run_to_end(launches, tmp_path, 2, args)

@@ -20,8 +20,9 @@ from conftest import base_env
 from ddp_slurm import config
 from ddp_slurm.config import ConfigError
 from ddp_slurm.tasks.mnist import models
-from ddp_slurm.train import graphs
+from ddp_slurm.train import graphs, strategy
 from ddp_slurm.train.optim import make_optimizer
+from ddp_slurm.train.strategy import DDP
 
 
 def test_on_cpu_the_run_is_refused_in_one_line_and_nothing_is_created(tmp_path: Path) -> None:
@@ -43,11 +44,11 @@ def test_on_cpu_the_run_is_refused_in_one_line_and_nothing_is_created(tmp_path: 
 def test_several_ranks_and_no_gpu_are_refused_before_anything_starts() -> None:
     cfg = config.load(overrides=["train.cuda_graphs=true"])
     with pytest.raises(ConfigError, match="world size 1.*not 2"):
-        graphs.check(cfg, 2, cuda=True)
+        graphs.check(cfg, DDP(), 2, cuda=True)
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        graphs.check(cfg, 1, cuda=False)
-    graphs.check(cfg, 1, cuda=True)
-    graphs.check(config.load(), 4, cuda=False)  # off: nothing to refuse
+        graphs.check(cfg, DDP(), 1, cuda=False)
+    graphs.check(cfg, DDP(), 1, cuda=True)
+    graphs.check(config.load(), DDP(), 4, cuda=False)  # off: nothing to refuse
 
 
 @pytest.mark.parametrize(
@@ -56,7 +57,7 @@ def test_several_ranks_and_no_gpu_are_refused_before_anything_starts() -> None:
 def test_what_the_captured_step_does_not_do_is_refused_on_any_machine(override: str) -> None:
     cfg = config.load(overrides=["train.cuda_graphs=true", override])
     with pytest.raises(ConfigError, match=r"captures a plain DDP step, not one with " + override.split("=")[0]):
-        graphs.check(cfg, 1, cuda=True)
+        graphs.check(cfg, strategy.of(cfg.dist.strategy), 1, cuda=True)
 
 
 def test_every_batch_is_copied_into_the_captured_buffers() -> None:

@@ -66,3 +66,13 @@ __all__ = [
     "read_text",
     "task_class",
 ]
+
+
+def changes_from(saved, cfg, where):  # TEMPORARY shim until the config layer reads without importing
+    return incompatible_changes(from_dict(saved, where), cfg)
+
+
+def read_saved(path):  # TEMPORARY shim
+    import yaml
+
+    return yaml.safe_load(read_text(path))

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from ddp_slurm import slurm_time, taskref
+from ddp_slurm import errors, slurm_time, taskref
 from ddp_slurm.runpaths import RunPaths
 
 
-class ConfigError(ValueError):
-    """A config file, override or value that cannot be used. The message is one line."""
+class ConfigError(errors.UsageError, ValueError):
+    """A config file, override or value that cannot be used (exit 2). The message is one line."""
 
 
 # A run name becomes a directory, a Slurm job name and part of the job script: a safe character set.

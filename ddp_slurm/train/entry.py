@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ddp_slurm import config, errors
-from ddp_slurm.config import Config, ConfigError
-from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError
-from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_STOPPED, EXIT_USAGE
+from ddp_slurm.config import Config
+from ddp_slurm.distributed.env import DistEnv
+from ddp_slurm.exitcodes import EXIT_FAILURE
 from ddp_slurm.train import tb
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
@@ -30,31 +30,22 @@ def check_task(cfg: Config, env: DistEnv, cls: type | None = None) -> type:
     world size (ConfigError: exit 2)."""
     import torch
 
-    from ddp_slurm.train.task import Context
+    from ddp_slurm.train.run import make_task
 
     cls = cls or config.task_class(cfg.task)
-    run_dir = Path(cfg.run.output_root) / (cfg.run.name or "")  # a new run is named once the ranks are up
-    ctx = Context(
-        env.rank,
-        env.world_size,
-        env.local_rank,
-        torch.device("cpu"),
-        cfg.run.seed,
-        run_dir,
-        cfg.train.global_batch_size,
-    )
-    cls(cfg.task_config, ctx).check()
+    make_task(cfg, cls, env, torch.device("cpu")).check()
     return cls
 
 
 def check_graphs(cfg: Config, env: DistEnv) -> None:
-    """train.cuda_graphs where it cannot hold (CPU, several ranks): ConfigError before anything starts."""
+    """train.cuda_graphs where it cannot hold (CPU, several ranks, a strategy it cannot capture):
+    ConfigError before anything starts."""
     if cfg.train.cuda_graphs:
         import torch
 
-        from ddp_slurm.train import graphs
+        from ddp_slurm.train import graphs, strategy
 
-        graphs.check(cfg, env.world_size, torch.cuda.is_available())
+        graphs.check(cfg, strategy.of(cfg.dist.strategy), env.world_size, torch.cuda.is_available())
 
 
 def run(task: type | str | None = None, overrides: Iterable[str] = (), config_file: str | Path | None = None) -> int:
@@ -92,9 +83,9 @@ def train(
             stop = StopFlag(parse_signal(cfg.slurm.signal))
         else:  # installed early for every candidate signal: now only slurm.signal requeues
             stop.configure(parse_signal(cfg.slurm.signal))
-    except (ConfigError, BootstrapError) as exc:
+    except errors.Error as exc:  # a config or environment that cannot be used: nothing was started
         print(f"ddp_slurm.train: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.exit_code
     from ddp_slurm.train import logs
 
     logs.setup(env.rank)
@@ -108,41 +99,28 @@ def train(
 
 
 def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
-    from ddp_slurm.distributed import chain, group, meet, stall, watchdog
-    from ddp_slurm.train import checkpoint, graphs, logs, loop
-    from ddp_slurm.train.rundir import RunDirError, RunLocked
+    from ddp_slurm.distributed import chain, group, stall, watchdog
+    from ddp_slurm.train import logs, loop
 
-    # Errors whose message says it all: logged as one line, no traceback. errors.Error (a task's own
-    # errors among them) carries its exit code; the others are failures (exit 1).
-    expected: tuple[type[BaseException], ...] = (
-        errors.Error,
-        checkpoint.CheckpointError,
-        loop.NonFiniteLoss,
-        BootstrapError,
-        RunLocked,
-        RendezvousError,
-        watchdog.PeerLost,
-        RunDirError,
-        graphs.GraphError,
-    )
     try:
         with (
             group.distributed(env, cfg.dist.backend, cfg.dist.timeout_s, lambda: stop.requested) as (device, backend),
-            watchdog.watch(env, ignore=expected, after_beat=stall.checker(stall.deadline_s(cfg.dist.timeout_s))) as dog,
-        ):  # names a lost or stuck rank before the backend's own timeout ends the job
+            # names a lost or stuck rank before the backend's own timeout ends the job; an error whose
+            # message says it all (errors.Error) is this rank's own, not a lost peer
+            watchdog.watch(
+                env, ignore=(errors.Error,), after_beat=stall.checker(stall.deadline_s(cfg.dist.timeout_s))
+            ) as dog,
+        ):
             return loop.train(cfg, task_cls, env, device, backend, stop, dog)
-    except errors.Error as exc:
-        log.error("%s", exc)
-        return exc.exit_code
-    except meet.RendezvousStopped as exc:  # nothing started: a clean stop, as documented for exit 75
+    except errors.Stopped as exc:  # nothing started: a clean stop, as documented for exit 75
         stop.stopping = True  # a second signal (torchrun's TERM) must not turn it into death by signal
         log.warning("%s", exc)
-        return EXIT_STOPPED
-    except expected as exc:
+        return exc.exit_code
+    except errors.Error as exc:  # its one line says it all (a task's own errors among them)
         log.error("%s", exc)
         if isinstance(exc, watchdog.PeerLost):  # a node named: recorded, and the job requeued without it
             chain.after_peer_lost(cfg, env, exc)
-        return EXIT_FAILURE
+        return exc.exit_code
     except Exception as exc:
         gist = logs.collective_failure(exc)
         if gist:  # a consequence: the rank that failed first has logged the traceback that matters

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddp_slurm import errors
 from ddp_slurm.config import Config, ConfigError
 from ddp_slurm.train import rng
 
@@ -47,17 +48,18 @@ WARMUP_STEPS = 3  # eager steps on a side stream before the capture (torch's doc
 CAPTURABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-class GraphError(RuntimeError):
+class GraphError(errors.Error):
     """The step cannot run as a CUDA graph; the message is one line saying what broke and what to do."""
 
 
-def check(cfg: Config, world_size: int, cuda: bool) -> None:
-    """Refusals known before anything starts (ConfigError: exit 2, nothing created)."""
+def check(cfg: Config, strategy: Any, world_size: int, cuda: bool) -> None:
+    """Refusals known before anything starts (ConfigError: exit 2, nothing created). ``strategy``: the
+    run's (``strategy.Strategy``), which says whether its step can be captured."""
     if not cfg.train.cuda_graphs:
         return
     # What the captured step does not do (checked first: these hold on any machine)
     others = {
-        "dist.strategy=fsdp": cfg.dist.strategy == "fsdp",
+        f"dist.strategy={strategy.name}": not strategy.captures_graphs,
         f"train.accumulate={cfg.train.accumulate}": cfg.train.accumulate > 1,
         f"train.grad_clip={cfg.train.grad_clip}": cfg.train.grad_clip is not None,
     }

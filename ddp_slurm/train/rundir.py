@@ -1,4 +1,4 @@
-"""The run directory: taken by one launch at a time, its config written, its checkpoint found.
+"""The run directory: taken by one launch at a time, checked before anything in it is read, its config written.
 
 One launch per run directory: an ``flock`` on ``<run_dir>/.lock`` held by rank 0.
 
@@ -14,16 +14,14 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm import config, safefs
+from ddp_slurm import config, errors, safefs
 from ddp_slurm.config import Config
 from ddp_slurm.errors import UsageError  # a usage problem found once the ranks are up: exit 2
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train import checkpoint
-from ddp_slurm.train.checkpoint import fit
-from ddp_slurm.train.checkpoint import sharded as ckpt_sharded
+from ddp_slurm.train.checkpoint import Checkpointer
 
 
-class RunLocked(RuntimeError):
+class RunLocked(UsageError):
     """Another live launch holds the run directory."""
 
 
@@ -56,51 +54,36 @@ class RunLock:
             self._fd = None
 
 
-class RunDirError(RuntimeError):
+class RunDirError(errors.Error):
     """The run directory cannot be written (read-only or full file system, permissions)."""
 
 
-def prepare(
-    cfg: Config, lock: RunLock, model_keys: dict[str, Any], run_fit: fit.Template | None = None
-) -> tuple[Path, dict[str, Any]] | None:
-    """Rank 0: take the run directory (refusing one whose checkpoints belong to another config, one that
-    another launch holds, and files a co-tenant could have planted), write the resolved config, and return
-    the checkpoint to resume from (None: fresh start).
+def take(cfg: Config, lock: RunLock, ckpt: Checkpointer) -> tuple[Path, dict[str, Any]] | None:
+    """Rank 0: take the run directory and return the checkpoint to resume from (None: a fresh start).
 
-    Only a checkpoint that loads, holds the step its name says, and matches this run (its own config,
-    ``model_keys``' names and shapes, every entry a resume needs) is resumed; others are skipped with a
-    warning, never deleted. A directory with a config but no checkpoint holds no work yet: it is taken
-    over, so a launch that failed before its first checkpoint (missing data, a typo) locks nothing in."""
+    Refuses (exit 2, one line, nothing changed) a run directory someone else could have written, one that
+    another launch holds, one whose checkpoints another strategy wrote, and one whose config a resume of
+    this run cannot take. Then writes the resolved config. Which checkpoint is resumed is the
+    checkpointer's (through the gate: trusted, whole, this run's, fitting); one that is not is skipped
+    with a warning, never deleted. A directory with a config but no checkpoint holds no work yet: it is
+    taken over, so a launch that failed before its first checkpoint (missing data, a typo) locks nothing in."""
     run_dir, saved, shared = cfg.run_dir, cfg.paths.config, cfg.paths.shared
-    sharded = cfg.dist.strategy == "fsdp"  # checkpoints are folders of shards (checkpoint/sharded.py)
-    accept = checkpoint.all_of(
-        checkpoint.require(*(("model_shapes",) if sharded else ("model", "optimizer")), "scheduler", "rng", "config"),
-        checkpoint.same_config(cfg),
-        checkpoint.same_model(model_keys),
-        *([fit.fits(run_fit)] if run_fit is not None else []),  # optimizer, schedule, position, RNG
-    )
     try:
         if run_dir.exists():
             safefs.check_run_dir(run_dir, shared)  # before anything in it is read
-        conflict = ckpt_sharded.strategy_conflict(run_dir, cfg.dist.strategy)
+        conflict = ckpt.conflict()
         if conflict:
             raise UsageError(conflict)
-        if saved.exists() and (checkpoint.list_checkpoints(run_dir) or ckpt_sharded.list_sharded(run_dir)):
-            diffs = config.incompatible_changes(config.read_resolved(saved), cfg)
+        if saved.exists() and ckpt.has_checkpoints():
+            diffs = config.changes_from(config.read_saved(saved), cfg, str(saved))
             if diffs:
                 raise UsageError(config.resume.changed_config(run_dir, diffs))
         safefs.make_dir(run_dir, shared)
         if os.path.lexists(cfg.paths.metrics):  # reopened by rank 0 later: a planted one is refused now, in one line
             os.close(safefs.open_owned(cfg.paths.metrics, os.O_WRONLY | os.O_APPEND, shared))
         lock.acquire()
-        checkpoint.remove_stale_temporaries(run_dir)
-        ckpt_sharded.remove_stale_partials(run_dir)
-        found = (ckpt_sharded.latest if sharded else checkpoint.latest)(run_dir, accept=accept, shared=shared)
+        found = ckpt.find()
         config.dump(cfg, saved)
-    except (RunLocked, checkpoint.NoneFits) as exc:
-        raise UsageError(str(exc)) from None
-    except (safefs.UnsafePath, config.ConfigError) as exc:
-        raise UsageError(str(exc)) from None
     except OSError as exc:  # a read-only or full file system, no permission: one line, not a traceback
         raise RunDirError(
             f"cannot write the run directory {run_dir}: {exc.strerror or exc} ({exc.filename}); "

@@ -1,59 +1,62 @@
-"""Checkpoints: ``<run_dir>/checkpoints/step-<N>.pt``, written atomically, sealed, found again on resume.
+"""Checkpoints: written atomically and sealed, found again through one gate, restored exactly.
 
-- ``format.py``: the file (save, load, validate, ``latest`` and the ``accept`` rules);
-- ``listing.py``: the step files of the folder, and pruning to those of this run's own it keeps;
-- ``fit.py``: does a whole checkpoint fit this run (optimizer, schedule, position, RNG)?
-- ``seal.py``: the trailer that proves every byte of a file is the one written;
-- ``snapshot.py``: host-memory copies of a state, for writes in the background;
-- ``writer.py``: ``AsyncCheckpointer``, one write in flight, in a thread or a forked process;
-- ``checkpointer.py``: ``Checkpointer``, the owner of the ``checkpoint`` config section (cadence,
-  keep, async, urgency), the one object the training loop talks to.
+- ``checkpointer.py``: ``Checkpointer``, the one object the training loop asks (restore, due, save,
+  wait), the owner of the ``checkpoint`` config section;
+- ``gate.py``: the rules every checkpoint passes before it is used (trusted, whole, well formed, this
+  run's, fits), for every backend and reader;
+- ``backends.py``: the two ways a checkpoint lies on disk (a whole file, a folder of shards) behind one
+  interface; ``format.py`` / ``listing.py`` and ``sharded.py`` are their file formats;
+- ``state.py``: what every checkpoint holds besides the model and optimizer, and the position;
+- ``schema.py``: the record's shape; ``fit.py``: does it fit this run's optimizer and schedule;
+- ``seal.py``: the trailer that proves every byte is the one written; ``dcp_safe.py``: torch's
+  distributed checkpoints read without unpickling code;
+- ``snapshot.py``, ``writer.py``, ``sharded_writer.py``: writing in the background.
 
-The file-level functions are re-exported here (``checkpoint.save``, ``checkpoint.latest``, ...).
+The whole-file functions are re-exported here (``checkpoint.save``, ``checkpoint.load``, ...).
 """
 
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm.train.checkpoint.checkpointer import Checkpointer
+from ddp_slurm.train.checkpoint.checkpointer import Checkpointer, NonFiniteWeights
 from ddp_slurm.train.checkpoint.format import (
     FORMAT,
     READABLE_FORMATS,
     REQUIRED,
     SEALED_BY,
     CheckpointError,
-    NoneFits,
-    UnsafeCheckpoint,
     _tensors,
-    all_of,
-    checkpoint_dir,
     content_digest,
     file_name,
-    latest,
-    list_checkpoints,
     load,
-    prune,
     remove_stale_temporaries,
-    require,
-    same_config,
-    same_model,
     save,
     validate,
 )
+from ddp_slurm.train.checkpoint.gate import (
+    NoneFits,
+    UnsafeCheckpoint,
+    all_of,
+    backend_of,
+    latest,
+    require,
+    same_config,
+    same_model,
+)
+from ddp_slurm.train.checkpoint.listing import checkpoint_dir, list_checkpoints
 from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
 
 
 def load_latest(run_dir: str | Path) -> dict[str, Any] | None:
-    """The newest valid checkpoint of ``run_dir`` (``model`` without DDP's ``module.`` prefix, ``step``,
-    ``epoch``, ...), or None where there is none: a single file (``format.latest``, see it for the error
-    case), or for a ``dist.strategy=fsdp`` run the newest committed folder of shards gathered into one
-    state (``sharded.load_latest_full``)."""
+    """The newest valid checkpoint of ``run_dir`` as one state on this process (``model`` without DDP's
+    ``module.`` prefix, ``step``, ``epoch``, ...), whichever strategy wrote it (a folder of shards is
+    gathered), or None where there is none. It passes the gate first (trusted, whole, in place)."""
+    from ddp_slurm.runpaths import RunPaths
+
     found = latest(Path(run_dir))
     if found is None:
-        from ddp_slurm.train.checkpoint import sharded
-
-        return sharded.load_latest_full(Path(run_dir))
-    return found[1]
+        return None
+    return backend_of(RunPaths(Path(run_dir))).load_whole(*found)
 
 
 __all__ = [
@@ -63,8 +66,9 @@ __all__ = [
     "SEALED_BY",
     "AsyncCheckpointer",
     "CheckpointError",
-    "NoneFits",
     "Checkpointer",
+    "NonFiniteWeights",
+    "NoneFits",
     "UnsafeCheckpoint",
     "_tensors",
     "all_of",
@@ -75,7 +79,6 @@ __all__ = [
     "list_checkpoints",
     "load",
     "load_latest",
-    "prune",
     "remove_stale_temporaries",
     "require",
     "same_config",

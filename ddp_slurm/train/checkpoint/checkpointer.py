@@ -1,16 +1,19 @@
-"""The owner of the ``checkpoint`` config section: when a run saves, where, how many it keeps, and how.
+"""The one object the training loop asks about checkpoints: ``restore()`` once, ``due(...)`` and ``save(...)``
+per step, ``wait()`` before it leaves.
 
-The loop asks two things: ``due(step, end_of_epoch)`` (save after this step?) and ``save(state,
-urgent=...)`` (write it; ``urgent`` for the saves the process waits for next: a stop signal, the end
-of training). Everything the section says is decided here and nowhere else:
+It owns the ``checkpoint`` config section and everything a checkpoint of this run means, for either
+backend (the strategy names it: one file written by rank 0, or a folder of every rank's shards):
 
+- finding the newest checkpoint this run may resume from: through the gate (``gate.py``) with the
+  run's own rules (its config, its model, its optimizer's and schedule's structure), on rank 0;
+- restoring it into the run's objects (registered once, at construction) on every rank;
 - cadence: every ``checkpoint.every_steps`` steps (0: off) and at the end of every epoch;
-- ``checkpoint.keep``: pruning after each durable write (``format.save``);
-- ``checkpoint.async``: in the background, at most one write in flight (``writer.AsyncCheckpointer``),
-  or in the caller's thread;
-- the run directory and ``run.shared`` (``RunPaths``): where, and with which file modes;
-- ``dist.strategy=fsdp`` (``sharded=True``): folders of shards that every rank writes and rank 0 commits
-  (``sharded_writer.ShardedCheckpointer``); ``save`` is then a collective.
+- saving: capturing the state (a collective), refusing non-finite weights, writing it in the background
+  with ``checkpoint.async`` (at most one write in flight) or in the caller's thread; ``urgent`` for the
+  saves the process waits for next (a stop signal, the end of training);
+- ``checkpoint.keep``: pruning after each durable write, counting only this run's checkpoints (the gate's
+  judgement again), never one a resume would not accept;
+- the run directory and ``run.shared`` (``RunPaths``): where, and with which file modes.
 """
 
 from __future__ import annotations
@@ -19,90 +22,139 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from ddp_slurm import errors
+from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.train.checkpoint import fit, gate, listing, sharded
+from ddp_slurm.train.checkpoint.backends import Backend, Objects
 from ddp_slurm.train.checkpoint.format import CheckpointError
-from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer, Writer
+from ddp_slurm.train.checkpoint.state import Position
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointSection(Protocol):
-    """What the checkpoint config section holds (``config.CheckpointConfig``)."""
-
-    every_steps: int
-    keep: int
-    async_save: bool
+class NonFiniteWeights(errors.Error):
+    """The weights became NaN/inf: nothing is saved (the last good checkpoint is kept); exit 1."""
 
 
 class Checkpointer:
-    """Decides when to save and saves; built on every rank, writes only where ``save`` is called (rank 0).
+    """Every rank builds one; see the module docstring.
 
-    ``stop_pending()``: a stop signal came (a save's wait for the previous write cancels it instead).
-    ``writer``, ``on_durable``: passed to ``AsyncCheckpointer`` (the benchmark chooses the writer).
+    ``section``: the ``checkpoint`` config section; ``backend``: the strategy's; ``run``: the objects a
+    checkpoint is captured from and restored into; ``cfg``: the run's config (a checkpoint records it,
+    and only a config this run may resume counts as this run's); ``template``: the run's structure a
+    checkpoint must fit (``fit.of_task``); ``stop_pending()``: a stop signal came (a save's wait for the
+    previous write cancels it instead).
     """
 
     def __init__(
         self,
-        section: CheckpointSection,
+        section: Any,
         paths: RunPaths,
+        backend: Backend,
+        run: Objects,
+        cfg: Any,
         *,
+        template: fit.Template | None = None,
         stop_pending: Callable[[], bool] | None = None,
-        writer: Writer | None = None,
-        on_durable: Callable[[Path, float], None] | None = None,
-        sharded: bool = False,
     ) -> None:
-        self.every_steps, self.paths = section.every_steps, paths
+        self.every_steps, self.paths, self.backend, self.run, self.cfg = section.every_steps, paths, backend, run, cfg
+        self.keep = section.keep
+        self.saved_step = -1  # the step of the newest checkpoint saved or restored by this launch
         self._root: tuple[int, int] | None = None  # the run directory's (device, inode) at the last save
-        if sharded:
-            from ddp_slurm.train.checkpoint.sharded_writer import ShardedCheckpointer
-
-            self._writer: Any = ShardedCheckpointer(paths.root, section.keep, section.async_save, shared=paths.shared)
-            return
-        self._writer = AsyncCheckpointer(
-            paths.root,
-            section.keep,
-            enabled=section.async_save,
-            writer=writer,
-            on_durable=on_durable,
-            shared=paths.shared,
-            stop_pending=stop_pending,
+        self.reference = {k: tuple(v) for k, v in sharded.model_shapes(run.model).items()}
+        self.gate = gate.Gate(
+            backend, paths, [gate.same_config(cfg), gate.same_model(self.reference)], template=template
         )
+        self._seen: dict[Any, Any] = {}  # pruning's verdicts on the kept entries, by identity
+        self._writer = backend.writer(paths, section, stop_pending=stop_pending, prune=self.prune)
 
+    # -- finding and restoring -----------------------------------------------------------------
+    def conflict(self) -> str | None:
+        """Why this run directory cannot be resumed by this run's backend (it holds the other one's)."""
+        return gate.foreign_kind(self.paths, self.backend)
+
+    def has_checkpoints(self) -> bool:
+        """Whether the run directory holds anything that looks like one of this backend's checkpoints."""
+        return bool(self.backend.candidates(self.paths))
+
+    def find(self) -> tuple[Path, dict[str, Any]] | None:
+        """Rank 0, once the run directory is taken: clear what a killed writer left, then the newest
+        checkpoint this run may resume from (None: a fresh start). Raises the gate's errors."""
+        self.backend.remove_stale(self.paths)
+        return self.gate.newest()
+
+    def restore(self, found: Path | None, record: dict[str, Any] | None = None) -> Position | None:
+        """Every rank: load the checkpoint rank 0 found (its ``record`` on rank 0; the others read it
+        themselves, trusting rank 0's checks) into the run's objects; the position to continue from."""
+        if found is None:
+            return None
+        if record is None:
+            try:
+                record = self.backend.read(found, verify=False)
+            except ValueError as exc:  # it changed under us since rank 0 judged it
+                raise CheckpointError(f"cannot read checkpoint {found}: {exc}") from None
+        pos = self.backend.restore(found, record, self.run)
+        self.saved_step = pos.step
+        return pos
+
+    # -- saving ---------------------------------------------------------------------------------
     def due(self, step: int, end_of_epoch: bool) -> bool:
         """Whether the state after ``step`` is saved: at the end of an epoch, and every ``every_steps``."""
         return end_of_epoch or bool(self.every_steps and step % self.every_steps == 0)
 
-    def save(
-        self, state: dict[str, Any] | tuple[dict[str, Any], dict[str, Any] | None], urgent: bool = False
-    ) -> Path | None:
-        """Write ``state`` (``state['step']`` names it): synchronously (its path, logged here) or handed to
-        the background writer (None; logged when durable). ``urgent``: the caller waits for it next, so
-        an older write still in flight is cancelled and this one runs at full priority."""
-        # a sharded snapshot is (this rank's shards, rank 0's record): the step is in the record, on rank 0
-        record = state[1] if isinstance(state, tuple) else state
-        self._same_run_dir(record["step"] if record is not None else None)
-        path = self._writer.save(state, urgent=urgent)
+    def save(self, finished: bool, elapsed_s: float, extra: dict[str, Any], urgent: bool = False) -> Path | None:
+        """Every rank, at the same step: capture the state and write it (rank 0 writes a whole file; every
+        rank its shards). Returns the path when the write was synchronous (logged here), None when it was
+        handed to the background writer (logged when durable). ``urgent``: the caller waits for it next.
+        NonFiniteWeights (every rank) when the weights are not finite: nothing is written."""
+        step = self.run.pos.step
+        try:
+            snapshot: Any = self.backend.capture(self.run, finished, elapsed_s, extra)  # a collective
+        except ValueError as exc:  # raised where the write happens, so that every rank raises it
+            snapshot = NonFiniteWeights(f"{exc}: not saving them; the last good checkpoint is kept (lower train.lr?)")
+
+        def write() -> Path | None:
+            if isinstance(snapshot, NonFiniteWeights):
+                raise snapshot
+            self._same_run_dir(step)
+            return self._writer.save(snapshot, urgent=urgent)
+
+        path = self.backend.writes(self.run, write)
         self._root = _identity(self.paths.root)
+        self.saved_step = step
         if path is not None:
             log.info("checkpoint %s", path)
         return path
 
-    def _same_run_dir(self, step: int | None) -> None:
+    def prune(self, newest: Path) -> None:
+        """Rank 0, after each durable write: keep the ``checkpoint.keep`` newest of this run's own."""
+        listing.prune(
+            self.backend.candidates(self.paths),
+            self.keep,
+            newest,
+            summary_of=self.backend.summary,
+            judge=self.gate.judge_summary,
+            remove=sharded.remove,
+            seen=self._seen,
+        )
+
+    def _same_run_dir(self, step: int) -> None:
         """CheckpointError when the run directory of the previous save is gone or another one: deleted or
         moved while training. Saving on would recreate it bare (no config, metrics or lock) and the run
         would end "finished" in a directory nobody looks at."""
         if self._root is not None and _identity(self.paths.root) != self._root:
             raise CheckpointError(
-                f"cannot write checkpoint {self.paths.checkpoint(step) if step is not None else 'files'}: the run directory {self.paths.root} is "
+                f"cannot write checkpoint {self.paths.checkpoint(step)}: the run directory {self.paths.root} is "
                 "gone (deleted or moved while the run was training); stopping without recreating it: restore it "
                 "or launch again to start over"
             )
 
     @property
     def failed(self) -> bool:
-        """The write in flight failed (not raised yet): for the ranks' stop vote."""
+        """This rank's write in flight failed (not raised yet): for the ranks' stop vote."""
         return self._writer.failed
 
     @property
@@ -110,11 +162,12 @@ class Checkpointer:
         return self._writer.in_flight
 
     def wait(self) -> Path | None:
-        """Block until the write in flight is durable; its path, or its CheckpointError."""
-        return self._writer.wait()
+        """Every rank: block until the write in flight is durable (rank 0 knows); its path, or its
+        CheckpointError on every rank."""
+        return on_rank0(self.run, self._writer.wait)
 
     def close(self) -> None:
-        """Wait for the write in flight and release the host buffers; raises the write's error."""
+        """This rank: wait for the write in flight and release the host buffers; raises the write's error."""
         self._writer.close()
 
 

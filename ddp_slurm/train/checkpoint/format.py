@@ -13,10 +13,9 @@ pickle (``content_digest``), which had to be computed before the write began. Al
 
 Reading: the seal first, then ``torch.load(weights_only=True)`` (a tampered file cannot run code) of the
 same open file, then a structural check.
-``latest`` walks from the newest step down and returns the first checkpoint that passes, holds the
-step its name says and is accepted by the run (``accept``: same config, same model, every entry the
-loop needs), warning about each one it skips. Pruning counts only files that load and hold the step
-their name says; anything else in the folder is left alone.
+Which checkpoint a run resumes from, and whether it is this run's, is the gate's (``gate.py``), for
+files and folders of shards alike. Pruning counts only files that load and hold the step their name
+says (``listing.prune``); anything else in the folder is left alone.
 
 torch's own CRC-32 of each zip record is switched off when saving: the seal already covers every byte
 the CRC would, torch.load does not check it, and computing it cost a third of the save (0.2 s per
@@ -24,7 +23,8 @@ the CRC would, torch.load does not check it, and computing it cost a third of th
 
 What the seal does not do: it has no key, so anyone who can write the folder can write a file
 that passes. Checkpoints written by other users are kept out by ownership and modes
-(``safefs.check_trusted``), not by the seal.
+(``safefs.check_trusted``, in the gate), not by the seal; a forged file can still not run code
+(``weights_only``), and its values are checked before use (``schema.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,11 +41,11 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as torch_serialization
 
-from ddp_slurm import safefs
+from ddp_slurm import errors, safefs
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import fit
+from ddp_slurm.train.checkpoint import listing
 from ddp_slurm.train.checkpoint import seal as ckpt_seal
-from ddp_slurm.train.checkpoint.listing import checkpoint_dir, identity, list_checkpoints, prune
+from ddp_slurm.train.checkpoint.listing import checkpoint_dir, list_checkpoints
 from ddp_slurm.train.checkpoint.seal import Cancelled
 
 log = logging.getLogger(__name__)
@@ -61,17 +62,8 @@ REQUIRED = {
 }
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(errors.Error):
     """Checkpoints exist but none can be used, or one cannot be written. One line, names the files."""
-
-
-class UnsafeCheckpoint(CheckpointError, safefs.UnsafePath):
-    """A checkpoint (or its folder) someone else could have written: refused for resume like any
-    ``safefs.UnsafePath`` (a usage problem, exit 2), and still a CheckpointError for callers of ``latest``."""
-
-
-class NoneFits(CheckpointError):
-    """Checkpoints exist, whole, but none fits this run's structure (``fit``): a usage problem, exit 2."""
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -122,6 +114,7 @@ def save(
     shared: bool = False,
     cancel: threading.Event | None = None,
     seen: dict[Any, Any] | None = None,
+    prune: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
 
@@ -130,7 +123,9 @@ def save(
     Raises CheckpointError (previous checkpoints untouched) when the directory cannot be written or
     the disk fills up; a half-written temporary file is removed. ``cancel`` (another thread sets it):
     the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind.
-    ``seen``: ``prune``'s memory of files already judged, kept by the caller across saves.
+    ``seen``: ``prune``'s memory of files already judged, kept by the caller across saves. ``prune(path)``:
+    the caller's pruning instead (the checkpointer's, which judges by the run's live config); without it,
+    files are judged against the config and model of the file just written.
     """
     folder = checkpoint_dir(run_dir)
     final = folder / file_name(state["step"])
@@ -149,7 +144,7 @@ def save(
     try:
         safefs.make_dir(folder, shared)
         safefs.write_atomic(final, write, shared)
-    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+    except (OSError, RuntimeError, safefs.UnsafePath) as exc:  # torch.save reports a failed write as a RuntimeError
         if cancel is not None and cancel.is_set():
             raise Cancelled from None
         exc = sinks[0].error if sinks and sinks[0].error is not None else exc
@@ -158,7 +153,18 @@ def save(
             f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
             "free space or fix permissions, then launch again to resume"
         ) from None
-    prune(run_dir, keep, final, ours=identity(state), seen=seen)
+    if prune is not None:
+        prune(final)
+    else:
+        listing.prune(
+            list_checkpoints(run_dir),
+            keep,
+            final,
+            summary_of=listing.summary,
+            judge=listing.same_as(listing.identity(state)),
+            remove=lambda p: p.unlink(missing_ok=True),
+            seen=seen,
+        )
     return final
 
 
@@ -194,7 +200,14 @@ def validate(state: Any, sealed: ckpt_seal.Scheme | None = None) -> None:
 def load(path: Path) -> dict[str, Any]:
     """Load and validate one checkpoint; ValueError with the reason when it is unusable."""
     try:
-        with open(path, "rb") as f:  # one open file for the seal and the load: never a seal of another file
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the launch
+    except OSError as exc:
+        raise ValueError(f"unreadable ({type(exc).__name__}: {exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a plain file")
+    try:
+        with os.fdopen(fd, "rb") as f:  # one open file for the seal and the load: never a seal of another file
             sealed = ckpt_seal.check(f)
             f.seek(0)
             state = torch.load(f, map_location="cpu", weights_only=True)
@@ -205,130 +218,3 @@ def load(path: Path) -> dict[str, Any]:
         raise ValueError(f"unreadable ({type(exc).__name__}: {reason})") from None
     validate(state, sealed)
     return state
-
-
-def raise_none_usable(run_dir: Path, found: list[Path]) -> None:
-    """CheckpointError: ``found`` (files or sharded folders) all failed to load; never start over on top of them."""
-    names = ", ".join(p.name for p in found)
-    raise CheckpointError(
-        f"no usable checkpoint in {checkpoint_dir(run_dir)} ({names} all failed to load); "
-        "refusing to start over: move them away or choose a new run.name"
-    )
-
-
-def latest(
-    run_dir: Path, accept: Callable[[dict[str, Any]], None] | None = None, shared: bool = False
-) -> tuple[Path, dict[str, Any]] | None:
-    """``(path, state)`` of the newest checkpoint that loads, validates, holds the step its name says and
-    passes ``accept``; None when there is none. Each one skipped is named in a warning.
-
-    ``accept(state)`` is the run's own judgement (its config, the model's keys and shapes, the entries
-    the loop needs) and raises ValueError to skip the file: a copied or symlinked checkpoint of another
-    run then falls back to the previous valid one instead of being resumed or crashing the loop.
-    Before anything is read, the checkpoints folder and every file must pass ``safefs.check_trusted``
-    (``shared``: ``run.shared``); otherwise CheckpointError naming the file and the fix.
-
-    Raises CheckpointError when checkpoints exist but none is usable: starting over silently would
-    throw away the run's finished work.
-    """
-    candidates = list_checkpoints(run_dir)
-    try:
-        if candidates:
-            safefs.check_trusted(checkpoint_dir(run_dir), shared)
-        for _, path in candidates:
-            safefs.check_trusted(path, shared)
-    except safefs.UnsafePath as exc:
-        raise UnsafeCheckpoint(str(exc)) from None
-    unfit: list[str] = []
-    for step, path in candidates:
-        try:
-            state = load(path)
-            if state["step"] != step:
-                raise ValueError(f"it holds step {state['step']}, not the step its name says")
-            if accept is not None:
-                accept(state)
-            _say_owner(path)
-            return path, state
-        except ValueError as exc:
-            log.warning("skipping checkpoint %s: %s", path, exc)
-            if isinstance(exc, fit.DoesNotFit):
-                unfit.append(f"{path}: {exc}")
-    if candidates and len(unfit) == len(candidates):
-        more = f" (and {len(unfit) - 1} more that do not fit)" if len(unfit) > 1 else ""
-        raise NoneFits(
-            f"no checkpoint fits this run: {unfit[0]}{more}; launch with the task's optimizer and schedule as they "
-            "were, or choose a new run.name"
-        )
-    if candidates:
-        raise_none_usable(run_dir, [p for _, p in candidates])
-    return None
-
-
-def _say_owner(path: Path) -> None:
-    """A team run (``run.shared``) may resume a teammate's checkpoint: say whose, so it is never a surprise."""
-    import pwd
-
-    uid = path.stat().st_uid
-    if uid != os.geteuid():
-        try:
-            name = pwd.getpwuid(uid).pw_name
-        except KeyError:
-            name = "an unknown user"
-        log.warning("resuming from %s, written by %s (uid %d), not by you (run.shared)", path, name, uid)
-
-
-def require(*keys: str) -> Callable[[dict[str, Any]], None]:
-    """An ``accept`` for ``latest``: the state must hold each of ``keys`` (``"optimizer"``, ``"rng"``)."""
-
-    def accept(state: dict[str, Any]) -> None:
-        missing = [k for k in keys if k not in state]
-        if missing:
-            raise ValueError(f"no {', '.join(map(repr, missing))} in it")
-
-    return accept
-
-
-def same_model(reference: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
-    """An ``accept`` for ``latest``: the checkpoint's model has exactly the keys and tensor shapes of
-    ``reference`` (the freshly built model's ``state_dict()``)."""
-    want = {k: tuple(v.shape) for k, v in reference.items() if isinstance(v, torch.Tensor)}
-
-    def accept(state: dict[str, Any]) -> None:
-        got = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
-        if got.keys() != want.keys():
-            extra, lost = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
-            raise ValueError(f"another model (keys only there: {extra[:3]}, keys missing: {lost[:3]})")
-        for k, shape in want.items():
-            if got[k] != shape:
-                raise ValueError(f"another model ({k} has shape {list(got[k])}, this model {list(shape)})")
-
-    return accept
-
-
-def same_config(cfg: Any) -> Callable[[dict[str, Any]], None]:
-    """An ``accept`` for ``latest``: the checkpoint's own config (``state["config"]``) may differ from
-    ``cfg`` only where a relaunch may (``config.incompatible_changes``, the same rule)."""
-    from ddp_slurm import config
-
-    def accept(state: dict[str, Any]) -> None:
-        saved = state.get("config")
-        if not isinstance(saved, dict):
-            raise ValueError("it records no config")
-        try:
-            diffs = config.incompatible_changes(config.from_dict(saved, "the checkpoint"), cfg)
-        except config.ConfigError as exc:
-            raise ValueError(f"its config is not valid here ({exc})") from None
-        if diffs:
-            raise ValueError(f"written by a run with another config ({'; '.join(diffs)})")
-
-    return accept
-
-
-def all_of(*checks: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
-    """Several ``accept`` callables as one, run in order."""
-
-    def accept(state: dict[str, Any]) -> None:
-        for check in checks:
-            check(state)
-
-    return accept

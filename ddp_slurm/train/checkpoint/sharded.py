@@ -6,34 +6,30 @@ On disk::
         __0_0.distcp  __1_0.distcp ...   each rank's shards of the model and optimizer (torch DCP)
         .metadata                        DCP's index: which bytes of which file hold which tensor slice
         seal-0.json  seal-1.json ...     each rank's seal of the files it wrote (XXH3-128, as seal.py)
-        commit.pt                        written last: step, position, schedule, task state, every rank's
-                                         RNG streams, config, and the seal of every file above; sealed itself
+        commit.pt                        written last: the record every checkpoint holds (state.record),
+                                         the model's shapes, the optimizer's layout, and the seal of every
+                                         file above; sealed itself
 
-Writing: every rank hands its shards to ``torch.distributed.checkpoint.async_save``, which copies them
-to host memory (pinned for GPU tensors) and returns; a background thread writes and fsyncs this rank's
-file into ``checkpoints/.step-<N>.partial/``, hashes it (``seal-<rank>.json``), and DCP's coordinator
-writes ``.metadata`` once every rank's part is written. Then rank 0 writes ``commit.pt`` and renames
-the folder to ``step-<N>``: a folder of that name exists only when every part is durable, so a kill at
-any moment leaves the previous checkpoint the newest one. The background collectives run on a gloo
-group of their own, never interleaved with training's.
+Writing (``sharded_writer.py``): rank 0 makes ``.step-<N>.partial/`` afresh (no entry of that name survives
+from before: a planted symlink there would take every rank's shards elsewhere); every rank's DCP writer
+fills it; rank 0 checks that it holds exactly the files the ranks sealed, plain files, then writes
+``commit.pt`` and renames the folder to ``step-<N>``: a folder of that name exists only when every part
+is durable, so a kill at any moment leaves the previous checkpoint the newest one.
 
-Reading: ``latest`` walks from the newest step down; a checkpoint counts when ``commit.pt``'s own seal
-holds, every file it names is there with its seal, and the run accepts it (config, model shapes).
-Loading reshards with DCP when the world size changed (``restore``). Pruning counts only checkpoints
-that pass the same commit check.
-
-A write in flight cannot be cancelled (DCP has no way to stop one): an urgent save (a stop signal, the
-end) waits for it and then writes its own.
+Reading: a folder counts as a checkpoint when it holds ``commit.pt``; the gate (``gate.py``) then checks
+it like any checkpoint (trust, seal, record, this run's, fits), and this module adds the folder's own
+rules: every file the commit names is there with its seal, nothing else is, and DCP's index agrees with
+the commit (every tensor of the model and of the optimizer's layout, at its recorded size). The index
+and every value are read without unpickling anything a co-tenant could write (``dcp_safe.py``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -42,48 +38,33 @@ import torch.distributed as dist
 from torch.utils.serialization import config as torch_serialization
 
 from ddp_slurm import safefs
-from ddp_slurm.train import state
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.train.checkpoint import dcp_safe, schema
 from ddp_slurm.train.checkpoint import seal as ckpt_seal
-from ddp_slurm.train.checkpoint.format import CheckpointError, UnsafeCheckpoint, checkpoint_dir, raise_none_usable
-from ddp_slurm.train.step import all_finite
+from ddp_slurm.train.checkpoint.format import CheckpointError
 
-log = logging.getLogger(__name__)
-
-SHARDED_FORMAT = 1
+SHARDED_FORMAT = 2  # 2: the optimizer's layout in the commit; 1 (read): without it
+READABLE = (1, 2)
 COMMIT = "commit.pt"
+METADATA = ".metadata"
 _DIR = re.compile(r"^step-(\d+)$")
+_PART = re.compile(r"^(__\d+_\d+\.distcp|seal-\d+\.json)$")
+_HEX = re.compile(r"^[0-9a-f]{32}$")
 
 
-def dir_name(step: int | str) -> str:
-    return f"step-{step}"
-
-
-def partial_name(step: int | str) -> str:
-    return f".step-{step}.partial"
-
-
-def list_sharded(run_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every ``step-N`` folder, newest first (committed or not: see ``read_commit``)."""
-    folder = checkpoint_dir(run_dir)
+def list_sharded(paths: RunPaths) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step-N`` entry that holds a ``commit.pt``, newest first. A folder
+    without one is not a checkpoint (a write that never committed, or someone's empty folder): it is
+    neither resumed, nor counted, nor a reason to refuse a run."""
+    folder = paths.checkpoints
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _DIR.match(p.name)) and p.is_dir()]
+    found = []
+    for p in folder.iterdir():
+        m = _DIR.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and os.path.lexists(p / COMMIT):
+            found.append((int(m.group(1)), p))
     return sorted(found, reverse=True)
-
-
-def strategy_conflict(run_dir: Path, strategy: str) -> str | None:
-    """Why ``run_dir``'s checkpoints cannot be resumed under ``strategy`` (None: they can). A run keeps
-    the strategy it started with: single files (ddp) and sharded folders (fsdp) are not converted."""
-    from ddp_slurm.train.checkpoint.format import list_checkpoints
-
-    other = {"ddp": "fsdp", "fsdp": "ddp"}[strategy]
-    theirs = list_sharded(run_dir) if strategy == "ddp" else list_checkpoints(run_dir)
-    if not theirs:
-        return None
-    return (
-        f"run directory {run_dir} holds dist.strategy={other} checkpoints ({theirs[0][1].name}); a run keeps its "
-        f"strategy: launch with dist.strategy={other} to resume it, or choose another run.name"
-    )
 
 
 def file_seal(path: Path) -> str:
@@ -97,26 +78,75 @@ def file_seal(path: Path) -> str:
     return scheme.seal_of(digests)
 
 
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
+def write_json(path: Path, data: Any) -> None:
+    """A rank's seal file, created exclusively (never through a planted name) and fsynced."""
+    fd = safefs.open_new(path)
+    with os.fdopen(fd, "w") as f:
         json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
 
 
+def fresh_partial(partial: Path, shared: bool) -> None:
+    """Rank 0, before a sharded write: ``partial`` as a new, empty folder of ours (whatever was there,
+    a stale write or a planted symlink, is removed without following it)."""
+    remove(partial)
+    dir_mode, _ = safefs.modes(shared)
+    os.mkdir(partial, dir_mode)
+    if shared:
+        os.chmod(partial, dir_mode)
+
+
+def remove(path: Path) -> None:
+    """Remove a folder tree, or a symlink or file in its place, never following a link."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)  # rmtree does not follow symlinks inside the tree
+    else:
+        os.unlink(path)
+
+
+def remove_stale_partials(paths: RunPaths) -> None:
+    """Folders (or anything else under their names) of writes that never committed: never checkpoints."""
+    folder = paths.checkpoints
+    if folder.is_dir() and not folder.is_symlink():
+        for p in folder.glob(paths.partial("*").name):
+            try:
+                remove(p)
+            except OSError:
+                pass
+
+
 def commit(partial: Path, final: Path, record: dict[str, Any], world_size: int, shared: bool) -> None:
-    """Rank 0, once every rank's part is written: ``commit.pt`` with every file's seal, then the rename."""
+    """Rank 0, once every rank's part is written: ``commit.pt`` with every file's seal, then the rename.
+
+    The folder must hold exactly what the ranks wrote: each rank's seal file, the files they sealed and
+    DCP's index, all plain files; anything else (a link, a folder, a file nobody sealed) is refused
+    rather than committed or chmod-ed."""
     files: dict[str, str] = {}
     for rank in range(world_size):
         seal_file = partial / f"seal-{rank}.json"
-        if not seal_file.exists():
+        if not seal_file.is_file() or seal_file.is_symlink():
             raise CheckpointError(f"cannot commit checkpoint {final}: rank {rank}'s part has no seal")
         files.update(json.loads(seal_file.read_text()))
-    files[".metadata"] = file_seal(partial / ".metadata")
-    dir_mode, file_mode = safefs.modes(shared)  # DCP creates with the umask's modes: the run's own instead
-    for path in partial.iterdir():
-        os.chmod(path, file_mode)
-    os.chmod(partial, dir_mode)
+    expected = set(files) | {METADATA} | {f"seal-{r}.json" for r in range(world_size)}
+    found = {p.name for p in partial.iterdir()}
+    if found != expected:
+        odd = sorted(found ^ expected)[:3]
+        raise CheckpointError(f"cannot commit checkpoint {final}: its folder holds other entries than written ({odd})")
+    _, file_mode = safefs.modes(shared)
+    for name in sorted(found):  # DCP creates with the umask's modes: the run's own instead, never via a link
+        fd = os.open(partial / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"cannot commit checkpoint {final}: {name} is not a plain file")
+            os.fchmod(fd, file_mode)
+        finally:
+            os.close(fd)
+    files[METADATA] = file_seal(partial / METADATA)
     record = dict(record, format=SHARDED_FORMAT, files=files)
 
     def write(f: Any) -> None:
@@ -127,15 +157,15 @@ def commit(partial: Path, final: Path, record: dict[str, Any], world_size: int, 
 
     safefs.write_atomic(partial / COMMIT, write, shared)
     safefs.fsync_dir(partial)
-    if final.exists():  # a step written by an earlier launch that resumed from before it: the new one wins
-        shutil.rmtree(final)
+    if os.path.lexists(final):  # a step written by an earlier launch that resumed from before it: the new one wins
+        remove(final)
     os.replace(partial, final)
     safefs.fsync_dir(final.parent)
 
 
-def read_commit(folder: Path, verify_files: bool = True) -> dict[str, Any]:
-    """The commit record of a sharded checkpoint, after its seal (and with ``verify_files`` every file's)
-    holds; ValueError with the reason otherwise."""
+def read_commit(folder: Path) -> dict[str, Any]:
+    """The commit record of a sharded checkpoint once its own seal holds and its own keys are well formed
+    (format, files); ValueError with the reason otherwise. The files themselves: ``check_files``."""
     path = folder / COMMIT
     try:
         with open(path, "rb") as f:
@@ -150,80 +180,48 @@ def read_commit(folder: Path, verify_files: bool = True) -> dict[str, Any]:
         raise ValueError(f"{COMMIT} unreadable ({type(exc).__name__})") from None
     if sealed is not ckpt_seal.XXH3:
         raise ValueError(f"{COMMIT} has no seal (cut short, or written by another program)")
-    if (
-        not isinstance(record, dict)
-        or record.get("format") != SHARDED_FORMAT
-        or not isinstance(record.get("step"), int)
-    ):
+    if not isinstance(record, dict) or record.get("format") not in READABLE or not isinstance(record.get("step"), int):
         raise ValueError(f"{COMMIT} is not a sharded checkpoint record of this program")
-    if verify_files:
-        for name, seal in record["files"].items():
-            if not (folder / name).is_file():
-                raise ValueError(f"{name} is missing")
-            if file_seal(folder / name) != seal:
-                raise ValueError(f"{name}: content digest mismatch (corrupted data)")
+    files = record.get("files")
+    if not isinstance(files, dict) or METADATA not in files:
+        raise ValueError(f"{COMMIT} names no files")
+    for name, seal in files.items():
+        if not (isinstance(name, str) and (name == METADATA or _PART.match(name))) or not (
+            isinstance(seal, str) and _HEX.match(seal)
+        ):
+            raise ValueError(f"{COMMIT} names a file {name!r:.40} that is not a part of a checkpoint")
+    schema.shapes(record.get("model_shapes"))
     return record
 
 
-def check_trusted(run_dir: Path, shared: bool) -> None:
-    """``safefs.check_trusted`` on every sharded checkpoint folder and file, before anything is read."""
-    try:
-        for _, folder in list_sharded(run_dir):
-            safefs.check_trusted(folder, shared)
-            for path in folder.iterdir():
-                safefs.check_trusted(path, shared)
-    except safefs.UnsafePath as exc:
-        raise UnsafeCheckpoint(str(exc)) from None
+def check_files(folder: Path, record: dict[str, Any]) -> None:
+    """Every file the commit names is in ``folder`` with its seal; ValueError naming the first that is not."""
+    for name, seal in record["files"].items():
+        path = folder / name
+        if not path.is_file() or path.is_symlink():
+            raise ValueError(f"{name} is missing")
+        if file_seal(path) != seal:
+            raise ValueError(f"{name}: content digest mismatch (corrupted data)")
 
 
-def latest(
-    run_dir: Path, accept: Callable[[dict[str, Any]], None] | None = None, shared: bool = False
-) -> tuple[Path, dict[str, Any]] | None:
-    """``(folder, record)`` of the newest committed, verified and accepted sharded checkpoint (as
-    ``checkpoint.latest``: each one skipped is named, none usable among several is an error).
-    ``accept`` sees the record with ``model`` holding meta tensors of the saved shapes."""
-    candidates = list_sharded(run_dir)
-    if candidates:
-        safefs.check_trusted(checkpoint_dir(run_dir), shared)
-    check_trusted(run_dir, shared)
-    for step, folder in candidates:
-        try:
-            record = read_commit(folder)
-            if record["step"] != step:
-                raise ValueError(f"it holds step {record['step']}, not the step its name says")
-            if accept is not None:
-                shapes = {k: torch.empty(s, device="meta") for k, s in record["model_shapes"].items()}
-                accept(dict(record, model=shapes))
-            return folder, record
-        except ValueError as exc:
-            log.warning("skipping checkpoint %s: %s", folder, exc)
-    if candidates:
-        raise_none_usable(run_dir, [p for _, p in candidates])
-    return None
-
-
-def prune(run_dir: Path, keep: int, newest: Path) -> None:
-    """Delete all but the ``keep`` newest committed checkpoints (by the step in their record; anything
-    that does not pass the commit check is left alone, as ``checkpoint.prune`` does)."""
-    trusted = []
-    for step, folder in list_sharded(run_dir):
-        try:
-            if read_commit(folder, verify_files=False)["step"] != step:
-                continue
-        except ValueError:
-            continue
-        trusted.append((folder == newest, step, folder))
-    trusted.sort(reverse=True)
-    for _, _, old in trusted[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_stale_partials(run_dir: Path) -> None:
-    """Folders of writes that never committed (a killed launch): never valid checkpoints."""
-    folder = checkpoint_dir(run_dir)
-    if folder.is_dir():
-        for p in folder.glob(partial_name("*")):
-            shutil.rmtree(p, ignore_errors=True)
+def check_index(folder: Path, record: dict[str, Any]) -> None:
+    """DCP's index agrees with the commit: every model tensor and every optimizer state tensor the commit
+    records is in it at its recorded size. ValueError otherwise (shards of another checkpoint or model)."""
+    metadata = dcp_safe.read_metadata(folder / METADATA).state_dict_metadata
+    want = {f"model.{k}": shape for k, shape in schema.shapes(record["model_shapes"]).items()}
+    layout = record.get("optimizer_layout")
+    if isinstance(layout, dict) and isinstance(layout.get("state"), dict):
+        for param, entry in layout["state"].items():
+            for name, shape in (entry or {}).items():
+                if shape is not None and len(shape) > 0:
+                    want[f"optim.state.{param}.{name}"] = tuple(shape)
+    for key, shape in want.items():
+        got = metadata.get(key)
+        size = getattr(got, "size", None)
+        if size is None:
+            raise ValueError(f"its shards hold no {key!r:.60} (shards of another checkpoint?)")
+        if tuple(size) != tuple(shape):
+            raise ValueError(f"its shards hold {key!r:.60} of shape {list(size)}, its commit says {list(shape)}")
 
 
 def model_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -231,87 +229,44 @@ def model_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def capture(
-    model: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    task: Any,
-    pos: state.Position,
-    finished: bool,
-    elapsed_s: float,
-    extra: dict[str, Any],
-    device: torch.device,
-    rank: int,
-    world_size: int,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(this rank's shards, the commit record on rank 0 / None elsewhere). A collective."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def optimizer_layout(optimizer: Any, osd: dict[str, Any]) -> dict[str, Any]:
+    """What ``fit`` compares before a resume: per group the parameters (by name, as ``get_state_dict``
+    keys them) and hyperparameter names; per parameter each state entry's full shape (None: a value)."""
+    groups = [
+        {"params": list(group["params"]), "keys": sorted(set(live) - {"params"})}
+        for group, live in zip(osd["param_groups"], optimizer.param_groups)
+    ]
+    state = {
+        str(param): {
+            str(name): (list(value.shape) if isinstance(value, torch.Tensor) else None) for name, value in entry.items()
+        }
+        for param, entry in osd["state"].items()
+    }
+    return {"groups": groups, "state": state}
 
-    msd, osd = get_state_dict(model, optimizer)
-    # one host sync for every local shard (a sync per tensor is what train.step.all_finite avoids)
-    finite = torch.tensor([float(all_finite(p.to_local() for p in model.parameters() if p.is_floating_point()))])
+
+def finite(model: torch.nn.Module, world_size: int) -> bool:
+    """Whether every rank's shards of the weights are finite: one host sync, agreed over the ranks."""
+    from ddp_slurm.train.step import all_finite
+
+    flag = torch.tensor([float(all_finite(p.to_local() for p in model.parameters() if p.is_floating_point()))])
     if world_size > 1:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if not finite.item():
-        raise ValueError(f"weights are not finite at step {pos.step}")
-    rngs = state.gather(state.rng_state(device), rank, world_size)
-    record = None
-    if rank == 0:
-        assert rngs is not None
-        own = {"model_shapes": model_shapes(model)}
-        record = state.record(scheduler, task, pos, finished, elapsed_s, rngs, world_size) | own | extra
-    return {"model": msd, "optim": osd}, record
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
-def restore(
-    folder: Path,
-    record: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    task: Any,
-    seed: int,
-    device: torch.device,
-    rank: int,
-    world_size: int,
-) -> state.Position:
-    """Load a sharded checkpoint into the sharded model and optimizer on every rank (a collective); DCP
-    reshards when the checkpoint was written at another world size."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    msd, osd = get_state_dict(model, optimizer)
-    shards = {"model": msd, "optim": osd}
-    dcp.load(shards, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
-    return state.resume_rest(
-        record,
-        scheduler,
-        task,
-        seed,
-        device,
-        rank,
-        world_size,
-        what="a sharded checkpoint",
-        changed="shards re-split by DCP, same samples and order, fresh per-rank RNG streams (see docs/scaling.md)",
-    )
-
-
-def load_full(folder: Path, record: dict[str, Any]) -> dict[str, Any]:
-    """A sharded checkpoint as one state on this process: the record plus the whole ``model`` and
-    ``optimizer`` (state keyed by parameter name), read without a process group. For inspection and
-    export (``checkpoint.load_latest``); training resumes through ``restore``."""
-    import warnings
-
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        full = _load_state_dict_from_keys(checkpoint_id=str(folder))
-    return dict(record, model=full["model"], optimizer=full["optim"])
-
-
-def load_latest_full(run_dir: Path) -> dict[str, Any] | None:
-    """``checkpoint.load_latest`` for a run of sharded checkpoints."""
-    found = latest(Path(run_dir))
-    return None if found is None else load_full(*found)
+def unwrap(exc: BaseException) -> str:
+    """The first real reason inside DCP's ``CheckpointException`` (a rank's OSError: "No space left on
+    device"), not its ``ranks:dict_keys([0])``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, OSError) and inner.strerror:
+                return inner.strerror
+            if isinstance(inner, BaseException):
+                return unwrap(inner)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"

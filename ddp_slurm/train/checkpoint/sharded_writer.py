@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm import safefs
-from ddp_slurm.train.checkpoint.format import CheckpointError, checkpoint_dir
-from ddp_slurm.train.checkpoint.sharded import _write_json, commit, dir_name, file_seal, partial_name, prune
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.train.checkpoint.format import CheckpointError
+from ddp_slurm.train.checkpoint.sharded import commit, file_seal, fresh_partial, unwrap, write_json
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ def _writer_class() -> type:
             names = sorted({r.storage_data.relative_path for r in results})
             seals = {name: file_seal(Path(self.path) / name) for name in names}
             rank = dist.get_rank() if dist.is_initialized() else 0
-            _write_json(Path(self.path) / f"seal-{rank}.json", seals)
+            write_json(Path(self.path) / f"seal-{rank}.json", seals)
             return fut
 
     return SealingWriter
@@ -45,8 +47,16 @@ class ShardedCheckpointer:
     """Every rank's side of sharded checkpoints; the same calls as ``AsyncCheckpointer`` but ``save`` is
     a collective (every rank calls it at the same step), and rank 0 commits."""
 
-    def __init__(self, run_dir: Path, keep: int, enabled: bool = True, *, shared: bool = False, **_: Any) -> None:
-        self.run_dir, self.keep, self.enabled, self.shared = Path(run_dir), keep, enabled, shared
+    def __init__(
+        self,
+        paths: RunPaths,
+        enabled: bool = True,
+        *,
+        prune: Callable[[Path], None] | None = None,
+        **_: Any,
+    ) -> None:
+        """``prune(newest)``: rank 0, after each commit (the checkpointer's pruning, through the gate)."""
+        self.paths, self.enabled, self.shared, self.prune = paths, enabled, paths.shared, prune
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo")  # background collectives, apart from training's
         self._stager: Any = None
@@ -76,15 +86,25 @@ class ShardedCheckpointer:
         steps = [record["step"] if record is not None else -1]
         dist.broadcast_object_list(steps, src=0, group=self.group)
         step = int(steps[0])
-        folder = checkpoint_dir(self.run_dir)
-        partial, final = folder / partial_name(step), folder / dir_name(step)
+        partial, final = self.paths.partial(step), self.paths.sharded(step)
+        made: list[Any] = [None]
         if self.rank == 0:
-            safefs.make_dir(folder, self.shared)
-        dist.barrier(group=self.group)  # the folder exists before any rank writes into it
+            try:
+                safefs.make_dir(self.paths.checkpoints, self.shared)
+                fresh_partial(partial, self.shared)
+            except (OSError, safefs.UnsafePath) as exc:
+                made[0] = f"cannot write checkpoint {final}: {getattr(exc, 'strerror', None) or exc}"
+        dist.broadcast_object_list(made, src=0, group=self.group)  # the folder exists before any rank writes
+        if made[0] is not None:
+            raise CheckpointError(f"{made[0]}; previous checkpoints are intact")
         writer = _writer_class()(str(partial), sync_files=True)
         self._step, self._started, self._error, self._done_at = step, time.monotonic(), None, None
         if not self.enabled:
-            dcp.save(shards, storage_writer=writer, process_group=self.group)
+            try:
+                dcp.save(shards, storage_writer=writer, process_group=self.group)
+            except Exception as exc:  # DCP's CheckpointException: every rank gets it, with each rank's reason
+                self._error = f"cannot write checkpoint {final}: {unwrap(exc)}; previous checkpoints are intact"
+                return self._collect()
             self._finish(None, partial, final, record)
             return self._collect()
         future = dcp.async_save(shards, storage_writer=writer, process_group=self.group, async_stager=self._stage())
@@ -111,14 +131,12 @@ class ShardedCheckpointer:
             if self.rank == 0:
                 assert record is not None
                 commit(partial, final, record, self.world, self.shared)
-                prune(self.run_dir, self.keep, final)
+                if self.prune is not None:
+                    self.prune(final)
         except CheckpointError as exc:
             self._error = str(exc)
         except BaseException as exc:  # kept for the training thread
-            reason = str(exc).splitlines()[0] if str(exc) else ""
-            self._error = (
-                f"cannot write checkpoint {final}: {type(exc).__name__}: {reason}; previous checkpoints are intact"
-            )
+            self._error = f"cannot write checkpoint {final}: {unwrap(exc)}; previous checkpoints are intact"
         finally:
             self._done_at = time.monotonic()
 
@@ -142,7 +160,7 @@ class ShardedCheckpointer:
         return path
 
     def _collect(self) -> Path:
-        path = checkpoint_dir(self.run_dir) / dir_name(self._step)
+        path = self.paths.sharded(self._step)
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(error)

@@ -205,9 +205,11 @@ class AsyncCheckpointer:
         on_durable: Callable[[Path, float], None] | None = None,
         shared: bool = False,
         stop_pending: Callable[[], bool] | None = None,
+        prune: Callable[[Path], None] | None = None,
     ) -> None:
+        """``prune(newest)``: after each durable write, the caller's pruning (``format.save``'s own without)."""
         self.run_dir, self.keep, self.enabled, self.shared = Path(run_dir), keep, enabled, shared
-        self.stop_pending = stop_pending
+        self.stop_pending, self.prune = stop_pending, prune
         self.writer: Writer = writer or "thread"
         self.on_durable = on_durable
         self._snap = Snapshotter()
@@ -241,7 +243,8 @@ class AsyncCheckpointer:
         step = int(state["step"])
         if not self.enabled or not self._fits(state):
             return self._durable(
-                checkpoint.save(self.run_dir, state, self.keep, self.shared, seen=self._seen), time.monotonic()
+                checkpoint.save(self.run_dir, state, self.keep, self.shared, seen=self._seen, prune=self.prune),
+                time.monotonic(),
             )
         if self.writer == "process":
             frozen = state
@@ -249,13 +252,17 @@ class AsyncCheckpointer:
                 frozen, events = self._snap.copy(state)
                 for event in events:
                     event.synchronize()
-            target = lambda: checkpoint.save(self.run_dir, frozen, self.keep, self.shared, seen=self._seen)  # noqa: E731
+            target = lambda: checkpoint.save(  # noqa: E731
+                self.run_dir, frozen, self.keep, self.shared, seen=self._seen, prune=self.prune
+            )
             self._write = _ProcessWrite(step, target, 0 if urgent else WRITER_NICE)
         else:
             snap, events = self._snap.copy(state)
             self._write = _ThreadWrite(
                 step,
-                lambda cancel: checkpoint.save(self.run_dir, snap, self.keep, self.shared, cancel, self._seen),
+                lambda cancel: checkpoint.save(
+                    self.run_dir, snap, self.keep, self.shared, cancel, self._seen, prune=self.prune
+                ),
                 events,
             )
         return None

@@ -1,8 +1,10 @@
-"""train/state.py: what a checkpoint holds and how each rank reads its part back (single process, real tensors)."""
+"""train/checkpoint/state.py (with the whole-file backend): what a checkpoint holds and how each rank reads its
+part back (single process, real tensors)."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import helpers
 import numpy as np
@@ -11,10 +13,28 @@ import torch
 
 from ddp_slurm import config
 from ddp_slurm.tasks.mnist import models
-from ddp_slurm.train import checkpoint, state
+from ddp_slurm.train import checkpoint, rng
+from ddp_slurm.train.checkpoint import state
+from ddp_slurm.train.checkpoint.backends import WholeFile
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 CPU = torch.device("cpu")
+WHOLE = WholeFile()
+
+
+def objects(model, optimizer, scheduler, pos=None, rank: int = 0, world_size: int = 1, seed: int = 0):
+    """The run's objects as a checkpoint backend sees them (``backends.Objects``)."""
+    return SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        task=helpers.TASK,
+        pos=pos or state.Position(),
+        device=CPU,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+    )
 
 
 def _objects(seed: int = 0):
@@ -49,29 +69,19 @@ def test_position_advances_and_keeps_the_best() -> None:
 def test_every_rng_stream_comes_back(tmp_path) -> None:
     """python, numpy and torch streams survive a real checkpoint file (weights_only loading)."""
     cfg, model, optimizer, scheduler = _objects()
-    state.seed_rank(3, rank=0, step=0, device=CPU)
+    rng.seed_rank(3, rank=0, step=0, device=CPU)
     _draws()
-    snap = state.capture(
-        model,
-        optimizer,
-        scheduler,
-        helpers.TASK,
-        state.Position(step=5),
-        False,
-        1.0,
-        {"config": cfg.to_dict()},
-        CPU,
-        0,
-        1,
+    snap = WHOLE.capture(
+        objects(model, optimizer, scheduler, state.Position(step=5)), False, 1.0, {"config": cfg.to_dict()}
     )
     expected = _draws()
     path = checkpoint.save(tmp_path, snap, keep=2)
-    loaded = checkpoint.load(path)
+    loaded = WHOLE.read(path)
     _draws()  # move every stream on
     _, model2, optimizer2, scheduler2 = _objects(seed=1)
-    pos = state.restore(loaded, model2, optimizer2, scheduler2, helpers.TASK, 3, CPU, rank=0, world_size=1)
+    pos = WHOLE.restore(path, loaded, objects(model2, optimizer2, scheduler2, seed=3))
     assert _draws() == expected
-    assert pos.step == 5 and pos.last_saved == 5
+    assert pos.step == 5
     for name, t in model.state_dict().items():
         assert torch.equal(t, model2.state_dict()[name]), name
 
@@ -82,8 +92,8 @@ def test_each_rank_gets_its_own_stream_and_a_new_rank_a_fresh_one() -> None:
     cfg, model, optimizer, scheduler = _objects()
     streams = []
     for rank in range(2):
-        state.seed_rank(0, rank, 0, CPU)
-        streams.append(state.rng_state(CPU))
+        rng.seed_rank(0, rank, 0, CPU)
+        streams.append(rng.rng_state(CPU))
     snap = {
         "format": checkpoint.FORMAT,
         "model": model.state_dict(),
@@ -98,13 +108,13 @@ def test_each_rank_gets_its_own_stream_and_a_new_rank_a_fresh_one() -> None:
         "best": None,
         "rng": streams,
     }
-    state.set_rng_state(streams[1], CPU)
+    rng.set_rng_state(streams[1], CPU)
     rank1 = _draws()
-    state.restore(snap, model, optimizer, scheduler, helpers.TASK, 0, CPU, rank=1, world_size=2)
+    WHOLE.restore(None, snap, objects(model, optimizer, scheduler, rank=1, world_size=2))
     assert _draws() == rank1
     fresh = []
     for rank in range(3):
-        state.restore(snap, model, optimizer, scheduler, helpers.TASK, 0, CPU, rank=rank, world_size=3)
+        WHOLE.restore(None, snap, objects(model, optimizer, scheduler, rank=rank, world_size=3))
         fresh.append(_draws())
     assert len(set(fresh)) == 3
 
@@ -132,8 +142,8 @@ def test_a_format_1_checkpoint_of_this_release_still_resumes(tmp_path) -> None:
     path = tmp_path / "checkpoints" / "step-100.pt"
     path.parent.mkdir()
     torch.save(old, path)
-    loaded = checkpoint.load(path)
-    pos = state.restore(loaded, model, optimizer, scheduler, helpers.TASK, 0, CPU, rank=0, world_size=1)
+    loaded = WHOLE.read(path)  # upgraded to today's shape as it is read
+    pos = WHOLE.restore(path, loaded, objects(model, optimizer, scheduler))
     assert (pos.step, pos.epoch, pos.step_in_epoch, pos.best) == (100, 1, 22, 0.91)
 
 

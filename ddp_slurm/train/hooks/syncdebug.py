@@ -1,4 +1,5 @@
-"""``DDP_SLURM_SYNC_DEBUG=error`` (or ``warn``): CUDA's sync debug mode over the steady-state steps of a run.
+"""``DDP_SLURM_SYNC_DEBUG=error`` (or ``warn``): CUDA's sync debug mode over the steady-state steps of a run
+(a hook, ``SyncDebug``).
 
 A steady-state CUDA step must never make the host wait for the device (docs/gpu.md lists the places
 that may: start-up, a log line, an evaluation, a save). With this variable set, the training loop
@@ -12,9 +13,13 @@ Without CUDA, or unset, it does nothing.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
+
+from ddp_slurm.train.hooks import Hook, Training
 
 log = logging.getLogger("ddp_slurm")
 
@@ -61,3 +66,25 @@ def reset(device: torch.device) -> None:
     """Leaving training on an error: the cleanup that follows may wait for the device."""
     if device.type == "cuda":
         torch.cuda.set_sync_debug_mode(0)
+
+
+class SyncDebug(Hook):
+    """The watch as a hook: steady before each step, off at each boundary and at the end."""
+
+    def __init__(self, run: Any) -> None:
+        self.watch = SyncWatch.from_environ(os.environ, run.device, run.pos.step)
+
+    def start(self, t: Training) -> None:
+        self.watch = SyncWatch(self.watch.mode, t.run.pos.step)  # counted from the step resumed at
+
+    def before_step(self, t: Training) -> None:
+        self.watch.steady(t.run.pos.step)
+
+    def boundary(self, t: Training) -> None:
+        self.watch.boundary()
+
+    def epoch_end(self, t: Training) -> None:
+        self.watch.boundary()  # the evaluation that follows may wait for the device
+
+    def end(self, t: Training) -> None:
+        self.watch.close()

@@ -1,0 +1,46 @@
+"""The ``train`` lines of metrics.jsonl: every ``train.log_every_steps`` steps, the loss (mean over the
+window's steps and the ranks), samples per second, step time and its spread over the ranks
+(``window.LossWindow``), the gradient norm before clipping (``accumulate.NormWindow``) and the learning
+rate. The loss stays on the device in between: reading it is the one host sync per window."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ddp_slurm.train import accumulate
+from ddp_slurm.train.hooks import Hook, Training
+from ddp_slurm.train.window import LossWindow
+
+
+class TrainLine(Hook):
+    def __init__(self, run: Any) -> None:
+        self.every = run.cfg.train.log_every_steps
+        self.window = LossWindow(run.device, run.world_size, run.cfg.train.global_batch_size, run.pos.step)
+        self.norms = accumulate.NormWindow()  # train.grad_clip: the gradient norm before clipping
+
+    def start(self, t: Training) -> None:
+        run = t.run
+        self.window = LossWindow(run.device, run.world_size, run.cfg.train.global_batch_size, run.pos.step)
+
+    def wants_host(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def after_step(self, t: Training, loss: torch.Tensor) -> None:
+        run = t.run
+        self.window.add(loss)
+        self.norms.add(getattr(run.train_step, "grad_norm", None))
+        if run.pos.step % self.every == 0:
+            figures = self.window.close(run.pos.step)
+            t.loss, t.rate = self.window.loss, self.window.rate
+            t.metrics.write(
+                "train",
+                run.pos.step,
+                run.pos.epoch,
+                t.elapsed(),
+                **figures,
+                **self.norms.close(),
+                world_size=run.world_size,
+                lr=run.scheduler.get_last_lr()[0],
+            )
