@@ -39,7 +39,6 @@ from ddp_slurm.train import (
     state,
     step,
     syncdebug,
-    tb,
     warmstart,
 )
 from ddp_slurm.train.checkpoint import Checkpointer, fit
@@ -206,8 +205,7 @@ def _train(
             ddp, optimizer, scheduler, task.training_step, device, tc.precision, tc.accumulate, tc.grad_clip
         )
 
-    board = tb.open_for(cfg, cfg.run_dir, env.rank)  # log.tensorboard: the same records as TensorBoard events
-    sinks = (board, *loggers.open_sinks(cfg, cfg.run_dir, env.rank))  # log.mlflow, log.wandb, log.csv
+    sinks = loggers.open_sinks(cfg, env.rank)  # log.*: each logger in its own thread, never waited on
     metrics = closing.enter_context(
         MetricsWriter(cfg.paths.metrics if env.rank == 0 else None, cfg.paths.shared, sinks=sinks)
     )
