@@ -2,15 +2,22 @@
 
 A run stopped by a real SIGUSR2 and launched again is ONE MLflow run and ONE W&B run holding the metrics
 of both launches; a logger that cannot start is one warning and training still ends 0; the CSV files hold
-the run's history, redone steps dropped.
+the run's history, redone steps dropped. A tracking server that accepts the connection and never answers
+costs a bounded wait at the end and one warning, nothing more, and a stop signal still stops; a link
+planted where a logger writes is refused, the victim's files untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
+import socket
 import struct
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -183,6 +190,7 @@ def test_a_broken_logger_is_one_warning_and_training_finishes(tmp_path: Path) ->
     assert res.returncode == 0, res.stderr
     warnings = [line for line in res.stderr.splitlines() if "WARNING" in line]
     assert len(warnings) == 2, res.stderr
+    warnings.sort(key=lambda w: "log.wandb" in w)  # each logger opens in its own thread: either may say it first
     assert "log.mlflow: could not start" in warnings[0] and "log.wandb: could not start" in warnings[1], warnings
     assert all("training goes on without this logger" in w for w in warnings)
     assert jsonl(tmp_path / "runs" / "broken")[-1]["kind"] == "end"
@@ -218,3 +226,134 @@ class FailingLine(Line):
     run = client.get_run(ids["mlflow"]["run_id"])
     assert run.info.status == "FAILED", run.info
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4, 8]
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[tuple[int, list[socket.socket]]]:
+    """A TCP server on 127.0.0.1 that accepts every connection and never sends a byte (a tracking server
+    hung mid-request): yields its port and the connections it accepted."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        done.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_a_tracking_server_that_never_answers_does_not_stop_training(tmp_path: Path) -> None:
+    """Two runs log to a server that accepts and never answers (MLflow's own timeout set to 10 minutes, as
+    a client that waits forever): one runs to its end, one gets a real SIGUSR2 mid-run. Both end within
+    their close timeout (the stopped one's is the short one) with their real exit codes (0, 75) and one
+    warning; the CSV files, the other logger, are complete: the stuck one held neither training nor them."""
+    from ddp_slurm.train.loggers.boundary import CLOSE_TIMEOUT_S, STOP_CLOSE_TIMEOUT_S
+
+    (tmp_path / "line_task.py").write_text(STOPPING)
+    deadline = 60 + 3 * CLOSE_TIMEOUT_S  # two processes starting on a busy machine, then the close
+    results: dict[str, tuple[int, str]] = {}
+    with silent_server() as (port, accepted):
+        procs = {}
+        for name, stop_at in (("ends", 0), ("stopped", 10)):
+            cmd = Launcher(tmp_path).cmd_train(
+                "task=line_task.py:StoppingLine",
+                *LINE_RUN,
+                f"run.name={name}",
+                f"log.mlflow=http://127.0.0.1:{port}",
+                "log.csv=true",
+            )
+            env = base_env(STOP_AT=str(stop_at), MLFLOW_HTTP_REQUEST_TIMEOUT="600")
+            procs[name] = subprocess.Popen(
+                cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        start = time.monotonic()
+        try:
+            for name, proc in procs.items():
+                _, err = proc.communicate(timeout=max(1.0, deadline - (time.monotonic() - start)))
+                results[name] = (proc.returncode, err)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"training still running after {deadline:.0f} s: held by the logger")
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        assert accepted, "the client never reached the server: nothing was tested"
+    for name, code, waited in (("ends", 0, CLOSE_TIMEOUT_S), ("stopped", 75, STOP_CLOSE_TIMEOUT_S)):
+        returncode, err = results[name]
+        assert returncode == code, err
+        warnings = [line for line in err.splitlines() if "WARNING" in line]
+        assert len(warnings) == 1, err
+        assert f"log.mlflow: still busy {waited:g} s after the last record" in warnings[0], warnings
+        assert "abandoned, training goes on without this logger" in warnings[0], warnings
+        rows = jsonl(tmp_path / "runs" / name)
+        assert rows[-1]["kind"] == ("end" if code == 0 else "stop")
+        with open(tmp_path / "runs" / name / "csv" / "train.csv", newline="") as f:
+            logged = [int(r["step"]) for r in csv.DictReader(f)]
+        assert logged and logged == [r["step"] for r in rows if r["kind"] == "train"]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` and its bytes (a victim's files, to compare before and after)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_links_planted_where_loggers_write_are_refused(tmp_path: Path) -> None:
+    """A co-tenant plants ``csv`` and ``mlruns`` as symlinks to a victim's folders and ``loggers.json`` as one
+    to the victim's id file: each logger is refused with one warning, training ends 0, and the victim's
+    files are byte-identical; W&B did not log into the victim's run id."""
+    victim = tmp_path / "victim"
+    (victim / "tables").mkdir(parents=True)
+    (victim / "tables" / "train.csv").write_text("step,loss\r\n1,0.5\r\n")
+    (victim / "store" / "0").mkdir(parents=True)
+    (victim / "store" / "0" / "meta.yaml").write_text("name: theirs\n")
+    (victim / "loggers.json").write_text(json.dumps({"wandb": {"id": "victimid", "project": "ddp_slurm"}}))
+    before = tree(victim)
+    run_dir = tmp_path / "runs" / "planted"
+    run_dir.mkdir(parents=True, mode=0o750)
+    (run_dir / "csv").symlink_to(victim / "tables")
+    (run_dir / "mlruns").symlink_to(victim / "store")
+    (run_dir / "loggers.json").symlink_to(victim / "loggers.json")
+    res = train(tmp_path, "run.name=planted", "log.csv=true", "log.mlflow=true", "log.wandb=true")
+    assert res.returncode == 0, res.stderr
+    assert tree(victim) == before
+    assert not list(run_dir.glob("wandb/*victimid*"))
+    warnings = sorted(line for line in res.stderr.splitlines() if "WARNING" in line)
+    assert len(warnings) == 3, res.stderr
+    for key, path in zip(("log.csv", "log.mlflow", "log.wandb"), ("csv", "mlruns", "loggers.json"), strict=True):
+        (line,) = [w for w in warnings if f"{key}: could not start (UnsafePath: " in w]
+        assert f"runs/planted/{path} is a symlink" in line, line
+    assert jsonl(run_dir)[-1]["kind"] == "end"
+
+
+def test_a_csv_file_swapped_for_a_link_mid_run_is_not_appended_through(tmp_path: Path) -> None:
+    """The CSV logger appends to its files (``safefs.append_owned``, never a plain ``open(..., "a")``): a
+    file replaced by a symlink after the header was read is refused, the victim's file untouched."""
+    from ddp_slurm.runpaths import RunPaths
+    from ddp_slurm.safefs import UnsafePath
+    from ddp_slurm.train.loggers.csv_logger import CsvSink
+
+    victim = tmp_path / "victim.csv"
+    victim.write_text("theirs\n")
+    paths = RunPaths(tmp_path / "run")
+    sink = CsvSink(paths)
+    sink.write("train", 4, 0, 0.1, loss=0.5)
+    (paths.csv / "train.csv").unlink()
+    (paths.csv / "train.csv").symlink_to(victim)
+    with pytest.raises(UnsafePath, match="is a symlink"):
+        sink.write("train", 8, 0, 0.2, loss=0.25)
+    assert victim.read_text() == "theirs\n"

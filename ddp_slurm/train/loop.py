@@ -25,7 +25,7 @@ from ddp_slurm.distributed import allocation, chain
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
-from ddp_slurm.train import determinism, hooks, loggers, logs, rng, rundir, runname, strategy, tb, warmstart
+from ddp_slurm.train import determinism, hooks, loggers, logs, rng, rundir, runname, strategy, warmstart
 from ddp_slurm.train.checkpoint import Checkpointer, CheckpointError, fit
 from ddp_slurm.train.evaluation import evaluate
 from ddp_slurm.train.hooks import Training
@@ -114,8 +114,7 @@ def train(
         else:
             rng.seed_rank(cfg.run.seed, env.rank, 0, device)  # each rank its own dropout/augmentation stream
             warm = warmstart.load_into(cfg, run) if cfg.run.init_from else {}
-        board = tb.open_for(cfg, cfg.run_dir, env.rank)  # log.tensorboard: the same records as TensorBoard events
-        sinks = (board, *loggers.open_sinks(cfg, cfg.run_dir, env.rank))  # log.mlflow, log.wandb, log.csv
+        sinks = loggers.open_sinks(cfg, env.rank)  # log.*: each behind a non-blocking boundary (rank 0 only)
         with MetricsWriter(cfg.paths.metrics if env.rank == 0 else None, cfg.paths.shared, sinks=sinks) as metrics:
             t = Training(run, metrics, started)
             _start(t, backend, resumed is not None, warm)

@@ -4,33 +4,42 @@ Every line has ``kind``, ``step``, ``epoch`` and ``time_s`` (training wall time,
 restarts). Kinds: ``start`` (each launch), ``train``, ``eval``, ``stop`` (stop signal), ``end``. A
 ``start`` line names the task's ``best_metric`` and ``higher_is_better`` (what the tools rank by) and
 the ``launch`` number. The sinks (loggers) also get ``checkpoint`` events (:meth:`MetricsWriter.event`).
+
+The file is the run's own record: written here, synchronously, a local append. The sinks are the
+loggers of ``loggers.open_sinks``, each behind its bounded queue: a record handed to them never waits,
+and closing waits for their backlog a bounded time (``loggers.boundary``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ddp_slurm import safefs
+from ddp_slurm.train.loggers import boundary
 
 
 class MetricsWriter:
-    def __init__(self, path: Path | None, shared: bool = False, sinks: tuple[Any, ...] = ()) -> None:
+    def __init__(self, path: Path | None, shared: bool = False, sinks: Iterable[Any] = ()) -> None:
         """``path=None`` (ranks other than 0) makes every call a no-op. The file is appended to across
         launches, so it is opened without following a symlink and must be this user's plain file
-        (``safefs.open_owned``; ``shared``: ``run.shared``). ``sinks``: other writers with the same
-        ``write``/``close`` (TensorBoard, ``train/tb.py``) that get every record too; None entries are skipped."""
+        (``safefs.open_owned``; ``shared``: ``run.shared``). ``sinks``: writers with the same
+        ``write``/``close`` that get every record too (``loggers.open_sinks``); None entries are skipped."""
         self._file = None
         self.launch = 0  # which launch of the run this is (1 = the first); known on rank 0 only
-        if path is not None:
-            # opened (and so checked: no symlink, FIFO or foreign file) before it is read for the count
-            fd = safefs.open_owned(path, os.O_WRONLY | os.O_APPEND, shared)
-            self._file = os.fdopen(fd, "a", buffering=1)
-            self.launch = 1 + sum(1 for row in read(path) if row.get("kind") == "start")
         self._sinks = [s for s in sinks if s is not None]
+        if path is not None:
+            try:
+                # opened (and so checked: no symlink, FIFO or foreign file) before it is read for the count
+                fd = safefs.open_owned(path, os.O_WRONLY | os.O_APPEND, shared)
+                self._file = os.fdopen(fd, "a", buffering=1)
+                self.launch = 1 + sum(1 for row in read(path) if row.get("kind") == "start")
+            except BaseException:
+                self.close()  # the loggers already opened end their run (as failed)
+                raise
 
     def write(self, kind: str, step: int, epoch: int, time_s: float, **fields: Any) -> None:
         if self._file is not None:
@@ -55,9 +64,8 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-        for sink in self._sinks:
-            sink.close()
-        self._sinks = []
+        sinks, self._sinks = self._sinks, []
+        boundary.close_all(sinks)  # together, under one bounded wait (boundary.CLOSE_TIMEOUT_S)
 
 
 def read(path: Path) -> Iterator[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 :class:`Guarded` opens its logger lazily-safe (the opener may raise: package missing, store unwritable,
 server down) and forwards every record; the first exception, at open or later, is logged once as a
-warning naming the config key, and the logger is switched off for the rest of the launch.
+warning naming the config key, and the logger is switched off for the rest of the launch. It runs in
+the logger's own thread (:mod:`.boundary`), so a failure here never reaches the training thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class Guarded:
     def __init__(self, key: str, opener: Callable[[], Any]) -> None:
         self.key = key
         self.sink: Any = None
+        self.failed = False  # switched off by an exception (its one warning given)
         try:
             self.sink = opener()
         except Exception as exc:  # whatever a third-party logger raises, training goes on
@@ -29,6 +31,7 @@ class Guarded:
         detail = " ".join(str(exc).split())[:300] or type(exc).__name__
         log.warning("%s: %s (%s: %s); training goes on without this logger", self.key, what, type(exc).__name__, detail)
         self.sink = None
+        self.failed = True
 
     def write(self, kind: str, step: int, epoch: int, time_s: float, **fields: Any) -> None:
         if self.sink is None:

@@ -7,41 +7,62 @@ state in the process, and the run id is ours to keep. The first launch creates t
 FINISHED after the ``end`` record, KILLED after a stop signal (it resumes on the next launch), FAILED
 otherwise. Metrics are ``<kind>/<field>`` (``train/loss``, ``eval/mse``), events ``events/<kind>`` (``events/checkpoint``) valued at their step, batched:
 train records are sent every few seconds, everything else at once.
+
+The run's own file store (``log.mlflow=true``) is a folder MLflow writes with plain ``open``: it must be
+ours, with no link inside (:func:`.folders.library_folder`), or the logger is refused. For an HTTP
+server, :func:`set_defaults` shortens MLflow's own patience (minutes of retries by default) unless the
+environment sets it; the logger's thread (:mod:`.boundary`) is what keeps a server that never answers
+away from training either way.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from ddp_slurm.config import Config
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.loggers.fields import flat_config, numeric
+from ddp_slurm.train.loggers.folders import library_folder
 from ddp_slurm.train.loggers.runids import RunIds
 
-STORE = "mlruns"
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",  # seconds per request (MLflow: 120)
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",  # MLflow: 7, with a doubling backoff: minutes per call
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
 FLUSH_EVERY_S = 5.0
 _BATCH = 1000  # MLflow's limit of metrics per log_batch call
 _PARAM_CHARS = 6000
 
 
-def tracking_uri(setting: bool | str, run_dir: Path) -> str:
-    """``true``: the run's own file store; a string: the tracking URI as given."""
-    uri = (run_dir / STORE).resolve().as_uri() if setting is True else str(setting)
+def set_defaults(setting: bool | str) -> None:
+    """MLflow's settings for ``log.mlflow=setting`` where the environment has none. Called from the
+    training thread before the logger's thread starts: the environment is changed by one thread only."""
+    uri = "file:" if setting is True else str(setting)
     if uri.startswith("file:") or "://" not in uri:
         # A local file store is what was asked for: MLflow 3 refuses one unless told it is on purpose.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    return uri
+    elif uri.startswith(("http:", "https:")):
+        for name, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+
+
+def tracking_uri(setting: bool | str, paths: RunPaths) -> str:
+    """``true``: the run's own file store (checked: see the module doc); a string: the tracking URI as given."""
+    if setting is True:
+        return library_folder(paths.mlruns, paths.shared).resolve().as_uri()
+    return str(setting)
 
 
 class MlflowSink:
-    def __init__(self, cfg: Config, run_dir: Path, ids: RunIds) -> None:
+    def __init__(self, cfg: Config, paths: RunPaths, ids: RunIds) -> None:
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
         self._metric_cls = Metric
-        uri = tracking_uri(cfg.log.mlflow, run_dir)
+        uri = tracking_uri(cfg.log.mlflow, paths)
         self.client = MlflowClient(tracking_uri=uri)
         saved = ids.get("mlflow")
         if saved and saved.get("tracking_uri") == uri:
@@ -51,7 +72,8 @@ class MlflowSink:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ddp_slurm"
             found = self.client.get_experiment_by_name(name)
             experiment = found.experiment_id if found is not None else self.client.create_experiment(name)
-            run = self.client.create_run(experiment, run_name=run_dir.name, tags={"run_dir": str(run_dir.resolve())})
+            tags = {"run_dir": str(paths.root.resolve())}
+            run = self.client.create_run(experiment, run_name=paths.root.name, tags=tags)
             self.run_id = run.info.run_id
             ids.put("mlflow", {"run_id": self.run_id, "tracking_uri": uri})
             params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in flat_config(cfg).items()]

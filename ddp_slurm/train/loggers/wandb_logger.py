@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import secrets
 import string
-from pathlib import Path
 from typing import Any
 
 from ddp_slurm.config import Config
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.loggers.fields import numeric
 from ddp_slurm.train.loggers.runids import RunIds
 
@@ -24,7 +24,7 @@ STEP = "global_step"
 
 
 class WandbSink:
-    def __init__(self, cfg: Config, run_dir: Path, ids: RunIds) -> None:
+    def __init__(self, cfg: Config, paths: RunPaths, ids: RunIds) -> None:
         import wandb
 
         project = cfg.log.wandb if isinstance(cfg.log.wandb, str) else "ddp_slurm"
@@ -38,8 +38,8 @@ class WandbSink:
             project=project,
             id=run_id,
             resume="allow",
-            name=run_dir.name,
-            dir=str(run_dir),
+            name=paths.root.name,
+            dir=str(paths.root),
             config=cfg.to_dict(),
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )

@@ -1,43 +1,33 @@
-"""TensorBoard event files next to ``metrics.jsonl``: ``log.tensorboard=true``, then ``tensorboard --logdir runs``.
+"""TensorBoard event files: ``log.tensorboard=true`` writes ``<run_dir>/tensorboard/``, then ``tensorboard --logdir runs``.
 
-:class:`TensorBoardWriter` takes exactly the records that ``MetricsWriter.write`` gets (``kind``,
+:class:`TensorBoardSink` takes exactly the records that ``MetricsWriter.write`` gets (``kind``,
 ``step``, ``epoch``, ``time_s`` and the kind's fields) and turns every number into a scalar named
 ``<kind>/<field>`` (``train/loss``, ``train/lr``, ``eval/accuracy``, ...) at that step; a launch
-(``start``), a stop signal and the end become text entries. Only rank 0 writes, like metrics.jsonl.
+(``start``), a stop signal and the end become text entries. One events file per launch, in one
+folder: TensorBoard shows a resumed run as one curve.
 
-The ``tensorboard`` package is optional (``pip install ddp_slurm[tensorboard]``): :func:`require`
-says so in one line before training starts, instead of failing at the first record.
+TensorBoard writes its files with a plain ``open``: the folder must be ours with no link inside
+(:func:`.folders.library_folder`), or the logger is refused. The ``tensorboard`` package is optional
+(``pip install ddp_slurm[tensorboard]``): ``loggers.require`` says so before training starts.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
-from ddp_slurm.config import Config, ConfigError
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.train.loggers.folders import library_folder
 
 _POSITION = ("kind", "step", "epoch", "time_s")
 
 
-def require(cfg: Config) -> None:
-    """Raise ConfigError (exit 2, before any work) when ``log.tensorboard`` is on and TensorBoard is missing."""
-    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "log.tensorboard=true needs the tensorboard package: pip install 'ddp_slurm[tensorboard]' "
-            "(or run with log.tensorboard=false)"
-        )
-
-
-class TensorBoardWriter:
+class TensorBoardSink:
     """Scalars of metrics.jsonl records as TensorBoard events under ``<run_dir>/tensorboard``."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, paths: RunPaths) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
 
-        self.log_dir = RunPaths(run_dir).tensorboard
-        # One events file per launch, in one directory: TensorBoard shows a resumed run as one curve.
+        self.log_dir = library_folder(paths.tensorboard, paths.shared)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def write(self, kind: str, step: int, epoch: int, time_s: float, **fields: Any) -> None:
@@ -47,7 +37,7 @@ class TensorBoardWriter:
             for name, value in fields.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._writer.add_scalar(f"{kind}/{name}", value, step)
-        else:  # start, stop, end: what happened, when
+        else:  # start, stop, end, checkpoint: what happened, when
             detail = ", ".join(f"{k}={v}" for k, v in fields.items())
             self._writer.add_text(
                 f"events/{kind}", f"{kind} at step {step} (epoch {epoch}, {time_s:.1f} s) {detail}", step
@@ -63,10 +53,3 @@ class TensorBoardWriter:
     def close(self) -> None:
         self._writer.flush()
         self._writer.close()
-
-
-def open_for(cfg: Config, run_dir: Path, rank: int) -> TensorBoardWriter | None:
-    """The writer the loop keeps next to its MetricsWriter: rank 0 with ``log.tensorboard`` on, else None."""
-    if rank != 0 or not cfg.log.tensorboard:
-        return None
-    return TensorBoardWriter(run_dir)
