@@ -6,7 +6,7 @@
     metrics.jsonl    rank 0's records, one JSON object per line (train/metrics.py)
     checkpoints/     step-<N>.pt (ddp) or step-<N>/ (fsdp, a folder of shards, written as
                      .step-<N>.partial/ and renamed when committed); the last checkpoint.keep kept
-    .lock            the flock one launch holds while it trains (train/rundir.py)
+    .lock            the lock one launch holds while it trains (train/rundir.py)
     lost_nodes       hosts a run lost a rank on, one line each (distributed/badnodes.py)
     chain/           the batch scripts of chained successor jobs, <job id>.sh (distributed/chain.py)
     loggers.json     each logger's run id, so every launch logs into one logger run (train/loggers/)

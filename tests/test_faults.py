@@ -541,6 +541,37 @@ def test_disk_full_during_a_save_stops_with_the_previous_checkpoints_intact(
     assert checkpoint.load_latest(run_dir)["step"] == 50
 
 
+@pytest.mark.parametrize("writes", ["sync", "async"])
+def test_disk_full_during_a_sharded_save_names_the_reason(
+    finished_run: Path, tmp_path: Path, mounts, writes: str
+) -> None:
+    """Audit break 16: under fsdp a full disk read ``CheckpointException ranks:dict_keys([0])``; the reason
+    inside it is what the line says now, and the committed checkpoints are intact."""
+    size = (finished_run / "runs" / "base" / "checkpoints" / "step-10.pt").stat().st_size
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", f"size={(5 * size // 2 + 64 * 1024) // 1024}k", "tmpfs", str(disk))
+    run_dir = disk / "runs" / "full"
+    args = [
+        "model.name=mlp",
+        "dist.strategy=fsdp",
+        f"checkpoint.async={writes == 'async'}",
+        "train.max_steps=50",
+        f"checkpoint.every_steps={EVERY}",
+        f"run.output_root={disk / 'runs'}",
+        "run.name=full",
+    ]
+    res = Launcher(tmp_path).run(Launcher(tmp_path).cmd_train(*args), timeout=TIMEOUT_S)
+    assert res.returncode == 1, res.stderr
+    [line] = error_lines(res.stderr)
+    assert re.search(
+        r"cannot write checkpoint \S*step-\d+: No space left on device; previous checkpoints are intact", line
+    ), line
+    assert "CheckpointException" not in res.stderr
+    found = checkpoint.latest(run_dir)
+    assert found is not None and found[1]["step"] >= EVERY  # the newest committed one is whole
+
+
 def test_read_only_run_directory_stops_with_one_line(finished_run: Path, tmp_path: Path, mounts) -> None:
     """checkpoints/ turned read-only under an interrupted run (a read-only bind mount): the relaunch
     resumes, fails at its first save with one clear line, and changes nothing on disk. The whole run

@@ -104,7 +104,7 @@ def _watched(stderr: str) -> int:
 def test_the_real_loop_never_synchronises_between_boundaries(launcher: Launcher, graphs: bool) -> None:
     """``python -m ddp_slurm.train`` itself (vote, loss window, progress, watchdog, checkpoints every 25
     steps, two epochs with evaluation) under set_sync_debug_mode("error") from its 3rd step on, switched
-    off only around log lines, saves and evaluations (DDP_SLURM_SYNC_DEBUG, train/syncdebug.py): any
+    off only around log lines, saves and evaluations (DDP_SLURM_SYNC_DEBUG, train/hooks/syncdebug.py): any
     synchronising call in a steady step raises and the run fails. Eagerly and with train.cuda_graphs."""
     res = launcher.run(
         launcher.cmd_train(

@@ -128,3 +128,75 @@ def test_the_runtime_never_imports_a_task() -> None:
         if within(target, TASKS)
     ]
     assert offenders == []
+
+
+# The compatibility modules at the package's top keep the contract's import paths and ``python -m`` names
+# working for users; the package itself imports the real homes, so that they can stay thin forever.
+COMPATIBILITY = (
+    "ddp_slurm.bootstrap",
+    "ddp_slurm.checkpoint",
+    "ddp_slurm.doctor",
+    "ddp_slurm.report",
+    "ddp_slurm.submit",
+)
+
+
+def test_no_package_module_imports_a_compatibility_module() -> None:
+    modules = module_names(PACKAGE)
+    offenders = [
+        f"{name}:{line} imports {target}"
+        for name, path in modules.items()
+        if name not in COMPATIBILITY
+        for target, line in imports(name, path, modules)
+        if target in COMPATIBILITY
+    ]
+    assert offenders == []
+
+
+# The layers, top to bottom: a module imports its own layer or those below it, never one above (an arrow
+# running back up: the runtime writing into a launcher's module, a tool reading a launcher's file).
+LAYERS = [
+    ("ddp_slurm.launch", "ddp_slurm.bench", "ddp_slurm.__main__", "ddp_slurm.cli", "ddp_slurm.resume", "ddp_slurm.data")
+    + COMPATIBILITY,
+    ("ddp_slurm.tools",),
+    ("ddp_slurm.train", "ddp_slurm.tasks"),
+    ("ddp_slurm.distributed",),
+    ("ddp_slurm.config",),
+]
+
+
+def layer(module: str) -> int:
+    """A module's layer (0: the top); the torch-free base (errors, safefs, runpaths, ...) is the bottom."""
+    for depth, homes in enumerate(LAYERS):
+        if any(within(module, home) for home in homes):
+            return depth
+    return len(LAYERS)
+
+
+def test_no_arrow_runs_back_up_the_layers() -> None:
+    modules = module_names(PACKAGE)
+    offenders = [
+        f"{name}:{line} imports {target}"
+        for name, path in modules.items()
+        if name != "ddp_slurm"
+        for target, line in imports(name, path, modules)
+        if layer(target) < layer(name)
+    ]
+    assert offenders == []
+
+
+def test_the_strategy_is_decided_in_one_place() -> None:
+    """``dist.strategy`` is compared in ``train/strategy.py`` alone (``of``); everything else asks the Strategy
+    object. A comparison with "ddp" or "fsdp" anywhere else is a second place that decides it."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in ("train/strategy.py",) or rel.startswith("bench/"):  # bench compares strategies by design
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                texts = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)]
+                attrs = [n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)]
+                if {"ddp", "fsdp"} & set(texts) or "strategy" in attrs:
+                    found.append(f"{rel}:{node.lineno}")
+    assert found == []

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ddp_slurm import config
+from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import rundir, runname
+from ddp_slurm.train.checkpoint import Checkpointer
+from ddp_slurm.train.checkpoint.backends import WholeFile
+from ddp_slurm.train.optim import make_optimizer
 
 NOON = time.mktime((2026, 12, 3, 12, 0, 0, 0, 0, -1))
 
@@ -42,8 +48,12 @@ def test_a_directory_without_checkpoints_takes_new_settings(tmp_path: Path, firs
         cfg = config.load(None, [*base, override])
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         lock = rundir.RunLock(cfg.paths)
+        model = models.build("mlp")
+        optimizer = make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
+        run = SimpleNamespace(model=model, optimizer=optimizer, rank=0, world_size=1)
+        ckpt = Checkpointer(cfg.checkpoint, cfg.paths, WholeFile(), run, cfg)
         try:
-            assert rundir.prepare(cfg, lock, {}) is None
+            assert rundir.take(cfg, lock, ckpt) is None
         finally:
             lock.release()
     assert config.read_resolved(tmp_path / "r" / "config.yaml").train.epochs == 2

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, base_env
 
 from ddp_slurm.launch import torchrun as launch
-from ddp_slurm.train import logs
+from ddp_slurm.train import checkpoint, logs
 from ddp_slurm.train import loop as train
 
 SCRIPTS = [REPO / "sbatch" / "mnist_4node.sh", REPO / "sbatch" / "mnist_torchrun.sh"]
@@ -58,7 +58,7 @@ def test_usr2_to_the_agent_alone_reaches_the_workers(launcher, tmp_path):
     assert "all workers stopped on a signal after a checkpoint: exit 75" in out
     [stop] = [r for r in rows(run_dir) if r["kind"] == "stop"]
     assert stop["requeue"] is True and 0 < stop["step"] < 40 * (5000 // 64)
-    state = train.checkpoint.load_latest(run_dir)
+    state = checkpoint.load_latest(run_dir)
     assert state["step"] == stop["step"] and not state["finished"]
 
 

@@ -111,3 +111,54 @@ def test_extending_a_finished_run_points_to_a_warm_start(base: Launcher) -> None
     assert "train.max_steps: 6 -> 12" in line
     assert "ddp-slurm resume runs/base" in line and "--config runs/base/config.yaml" in line
     assert "run.init_from=runs/base" in line
+
+
+GROUPED = '''
+import torch
+from ddp_slurm.tasks.mnist.task import MNIST
+
+
+class Grouped(MNIST):
+    """The built-in task with its optimizer in two parameter groups (weights, the rest)."""
+
+    def configure_optimizer(self, model):
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        others = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        return torch.optim.Adam([{"params": weights}, {"params": others}], lr=1e-3)
+'''
+
+
+def test_init_optimizer_from_an_optimizer_of_another_grouping_is_refused(base: Launcher) -> None:
+    """Audit break 6: the moments of a differently grouped optimizer crashed the fused kernels (exit 134 or
+    SIGSEGV, no message, every launch). The source's optimizer must fit this run's, as a resume's does."""
+    (base.cwd / "grouped.py").write_text(GROUPED)
+    args = [*FAST, "task=grouped.py:Grouped", "run.name=grouped", "run.init_from=runs/base", "run.init_optimizer=true"]
+    res = base.run(base.cmd_train(*args))
+    line = one_line_error(res)
+    assert "its optimizer has 1 parameter group(s), this run's 2" in line and "runs/base/checkpoints" in line
+    assert not (base.cwd / "runs" / "grouped").exists()
+
+
+@pytest.fixture(scope="module")
+def sharded_base(base: Launcher) -> Path:
+    """A finished 6-step fsdp run ``runs/fbase``: its checkpoints are folders of shards."""
+    base.run(base.cmd_train(*FAST, "dist.strategy=fsdp", "run.name=fbase"), check=True)
+    return base.cwd / "runs" / "fbase"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_warm_start_from_an_fsdp_run_into_either_strategy(base: Launcher, sharded_base: Path, strategy: str) -> None:
+    """Audit break 15 (and what fine-tuning a large model needs): a warm start from a run of sharded
+    checkpoints, under ddp ("no checkpoint in that run directory" before) and under fsdp ("ddp only in this
+    version" before), with its optimizer's moments too."""
+    source = checkpoint.load_latest(sharded_base)
+    name = f"from-fsdp-{strategy}"
+    args = [*FAST, f"dist.strategy={strategy}", "train.max_steps=2", "train.lr=1e-9", f"run.name={name}"]
+    res = base.run(base.cmd_train(*args, "run.init_from=runs/fbase", "run.init_optimizer=true"), check=True)
+    assert "warm start from runs/fbase/checkpoints/step-6 (step 6) with its optimizer state" in res.stderr
+    warm = checkpoint.load_latest(base.cwd / "runs" / name)
+    assert warm["step"] == 2 and start_line(base.cwd / "runs" / name)["init_step"] == 6
+    w0, w1 = source["model"]["1.weight"], warm["model"]["1.weight"]
+    assert (w1 - w0).abs().max() < 1e-7 and not torch.equal(w0, w1)
+    steps = warm["optimizer"]["state"]["1.weight" if strategy == "fsdp" else 0]["step"]
+    assert steps.item() == source["optimizer"]["state"]["1.weight"]["step"].item() + 2  # Adam's count went on

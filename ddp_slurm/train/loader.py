@@ -194,6 +194,12 @@ class DatasetBatches:
         for batch in self.loader:
             yield to_device(batch, self.device)
 
+    def close(self) -> None:
+        """Stop the worker processes now (they are persistent: they would live until the loader is freed)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
 
 def make_batches(data: Any, device: torch.device, seed: int, global_batch: int, rank: int, world: int, cfg: Any):
     """The batch source for ``data`` (Tensors or a map-style Dataset); ``cfg`` is the ``train`` section."""

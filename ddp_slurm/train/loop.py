@@ -124,6 +124,7 @@ def train(
         if ckpt.in_flight:  # leaving on an error: the write in flight still ends whole (or not at all)
             with contextlib.suppress(CheckpointError):
                 ckpt.close()
+        run.close()  # DataLoader workers end before the run directory is released
         lock.release()
 
 

@@ -65,6 +65,12 @@ class Run:
     def steps_per_epoch(self) -> int:
         return self.batches.steps_per_epoch
 
+    def close(self) -> None:
+        """Stop what the run started besides this process (DataLoader worker processes)."""
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
+
     def epoch_steps(self) -> int:
         """This epoch's steps (``train.max_steps`` may end it early)."""
         pos = self.pos

@@ -1,13 +1,17 @@
 """The run directory: taken by one launch at a time, checked before anything in it is read, its config written.
 
-One launch per run directory: an ``flock`` on ``<run_dir>/.lock`` held by rank 0.
+One launch per run directory: a POSIX lock (``lockf``) on ``<run_dir>/.lock`` held by rank 0.
 
-The kernel drops an flock when its process dies, so a crashed or killed run never leaves the
-directory stuck; the pid and host written into the file are only there for the error message.
+The kernel drops the lock when its process dies, so a crashed or killed run never leaves the
+directory stuck; the pid and host written into the file are only there for the error message. A
+POSIX lock, not an ``flock``: an flock belongs to the open file, which DataLoader worker processes
+inherit when they fork, so a worker outliving its rank (it notices only seconds later) would hold the
+run directory against the relaunch; a POSIX lock belongs to the process that took it.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -36,8 +40,11 @@ class RunLock:
         (it is never followed or written through)."""
         fd = safefs.open_owned(self.path, os.O_RDWR, self.shared)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise RunLocked(
@@ -50,7 +57,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock; the file stays (harmless, reused next time)
+            os.close(self._fd)  # closing drops the lock; the file stays (harmless, reused next time)
             self._fd = None
 
 

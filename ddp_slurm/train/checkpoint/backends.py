@@ -270,8 +270,8 @@ class Sharded(Backend):
         shards = {"model": msd, "optim": osd}
         try:
             dcp_safe.load(shards, path)
-        except Exception as exc:  # the gate checked the index against the run: this is a read failing
-            raise format.CheckpointError(f"cannot load checkpoint {path}: {sharded.unwrap(exc)}") from None
+        except dcp_safe.FAILED as exc:  # the gate checked the index against the run: this is a read failing
+            raise format.CheckpointError(f"cannot load checkpoint {path}: {dcp_safe.unwrap(exc)}") from None
         set_state_dict(run.model, run.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
         return state.resume(
             record,

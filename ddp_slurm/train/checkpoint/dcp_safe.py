@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -42,6 +43,10 @@ _METADATA_CLASSES = {
     ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 }
+
+
+# What a DCP call raises when it fails: its CheckpointException derives from BaseException, not Exception.
+FAILED = (Exception, CheckpointException)
 
 
 class _Restricted(pickle.Unpickler):
@@ -117,11 +122,29 @@ def load_whole(folder: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state_dict=state,
-        storage_reader=SafeReader(str(folder)),
-        process_group=None,
-        no_dist=True,
-        planner=_SafeEmptyPlanner(),
-    )
+    try:
+        _load_state_dict(
+            state_dict=state,
+            storage_reader=SafeReader(str(folder)),
+            process_group=None,
+            no_dist=True,
+            planner=_SafeEmptyPlanner(),
+        )
+    except FAILED as exc:
+        raise ValueError(f"unreadable ({unwrap(exc)})") from None
     return state
+
+
+def unwrap(exc: BaseException) -> str:
+    """The first real reason inside DCP's ``CheckpointException`` (a rank's OSError: "No space left on
+    device"), not its ``ranks:dict_keys([0])``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                return unwrap(inner)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"

@@ -253,20 +253,3 @@ def finite(model: torch.nn.Module, world_size: int) -> bool:
     if world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def unwrap(exc: BaseException) -> str:
-    """The first real reason inside DCP's ``CheckpointException`` (a rank's OSError: "No space left on
-    device"), not its ``ranks:dict_keys([0])``."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for failure in failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, OSError) and inner.strerror:
-                return inner.strerror
-            if isinstance(inner, BaseException):
-                return unwrap(inner)
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"

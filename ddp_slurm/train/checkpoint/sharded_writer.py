@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from ddp_slurm import safefs
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.train.checkpoint.dcp_safe import FAILED, unwrap
 from ddp_slurm.train.checkpoint.format import CheckpointError
-from ddp_slurm.train.checkpoint.sharded import commit, file_seal, fresh_partial, unwrap, write_json
+from ddp_slurm.train.checkpoint.sharded import commit, file_seal, fresh_partial, write_json
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ShardedCheckpointer:
         if not self.enabled:
             try:
                 dcp.save(shards, storage_writer=writer, process_group=self.group)
-            except Exception as exc:  # DCP's CheckpointException: every rank gets it, with each rank's reason
+            except FAILED as exc:  # DCP's CheckpointException: every rank gets it, with each rank's reason
                 self._error = f"cannot write checkpoint {final}: {unwrap(exc)}; previous checkpoints are intact"
                 return self._collect()
             self._finish(None, partial, final, record)

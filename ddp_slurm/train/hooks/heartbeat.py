@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_slurm.train.hooks import Hook, Training
+from ddp_slurm.train.hooks.base import Hook, Training
 
 
 class Heartbeat(Hook):

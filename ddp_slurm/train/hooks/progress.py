@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ddp_slurm.train import logs
-from ddp_slurm.train.hooks import Hook, Training
+from ddp_slurm.train.hooks.base import Hook, Training
 
 
 class ProgressDisplay(Hook):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ddp_slurm.train.hooks import Hook, Training
+from ddp_slurm.train.hooks.base import Hook, Training
 
 log = logging.getLogger("ddp_slurm")
 

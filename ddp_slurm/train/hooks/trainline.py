@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ddp_slurm.train import accumulate
-from ddp_slurm.train.hooks import Hook, Training
+from ddp_slurm.train.hooks.base import Hook, Training
 from ddp_slurm.train.window import LossWindow
 
 

@@ -1,4 +1,4 @@
-"""DDP_SLURM_SYNC_DEBUG (train/syncdebug.py): the hook that runs the loop's steady steps under CUDA's sync
+"""DDP_SLURM_SYNC_DEBUG (train/hooks/syncdebug.py): the hook that runs the loop's steady steps under CUDA's sync
 debug mode. On a GPU, tests/test_gpu_path.py runs the real loop with it; here, what holds anywhere: it
 is off without CUDA or unset, it watches only from the warm-up's end, and a wrong value is named."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_slurm.train import syncdebug
+from ddp_slurm.train.hooks import syncdebug
 
 
 def test_off_on_cpu_and_when_unset() -> None:

@@ -1,0 +1,79 @@
+"""The hook protocol (see ``hooks/__init__.py``): what a hook sees of the loop (``Training``), the points it
+is called at (``Hook``), and the registered list the loop calls (``Hooks``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ddp_slurm.train.metrics import MetricsWriter
+    from ddp_slurm.train.run import Run
+
+
+@dataclass
+class Training:
+    """What hooks see of the loop: the run's objects, where metrics go, the clock, shared figures."""
+
+    run: Run
+    metrics: MetricsWriter
+    started: float = field(default_factory=time.monotonic)
+    loss: float | None = None
+    """The training loss of the last log window (mean over its steps and the ranks), on the host."""
+    rate: float | None = None
+    """Samples per second over the last log window."""
+
+    def elapsed(self) -> float:
+        """Training time so far, over every launch of the run."""
+        return self.run.pos.elapsed_s + time.monotonic() - self.started
+
+    def eta(self) -> float | None:
+        run = self.run
+        return (run.total_steps - run.pos.step) * run.cfg.train.global_batch_size / self.rate if self.rate else None
+
+
+class Hook:
+    """A side feature (see the module docstring); every method is optional."""
+
+    def start(self, t: Training) -> None: ...
+
+    def epoch_start(self, t: Training) -> None: ...
+
+    def before_step(self, t: Training) -> None: ...
+
+    def stepped(self, t: Training) -> None: ...
+
+    def wants_host(self, step: int) -> bool:
+        return False
+
+    def boundary(self, t: Training) -> None: ...
+
+    def after_step(self, t: Training, loss: torch.Tensor) -> None: ...
+
+    def epoch_end(self, t: Training) -> None: ...
+
+    def end(self, t: Training) -> None: ...
+
+
+class Hooks:
+    """The registered hooks, called in order."""
+
+    def __init__(self, hooks: Iterable[Hook]) -> None:
+        self.hooks = list(hooks)
+
+    def __getattr__(self, point: str) -> Any:
+        if point.startswith("_"):
+            raise AttributeError(point)
+
+        def call(*args: Any) -> None:
+            for hook in self.hooks:
+                getattr(hook, point)(*args)
+
+        return call
+
+    def wants_host(self, step: int) -> bool:
+        return any(hook.wants_host(step) for hook in self.hooks)
