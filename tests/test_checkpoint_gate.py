@@ -13,14 +13,13 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import base_env
+from conftest import Launcher, base_env
 from torch.utils.serialization import config as torch_serialization
 
 from ddp_slurm import safefs
@@ -70,14 +69,8 @@ STRATEGIES = ["ddp", "fsdp"]
 
 
 def train(cwd: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ddp_slurm.train", *ARGS, *extra],
-        cwd=cwd,
-        env=base_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    launcher = Launcher(cwd)
+    return launcher.run(launcher.cmd_train(*ARGS, *extra), env=base_env(**env))
 
 
 @pytest.fixture(scope="module")
@@ -270,15 +263,7 @@ def test_another_runs_committed_folder_is_neither_counted_nor_pruned(
     other = tmp_path / "other"
     other.mkdir()
     (other / "crash.py").write_text(TASK)
-    foreign = [*ARGS, "dist.strategy=fsdp", "train.lr=0.5", "train.max_steps=30", "checkpoint.every_steps=30"]
-    res = subprocess.run(
-        [sys.executable, "-m", "ddp_slurm.train", *foreign],
-        cwd=other,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    res = train(other, "dist.strategy=fsdp", "train.lr=0.5", "train.max_steps=30", "checkpoint.every_steps=30")
     assert res.returncode == 0, res.stderr[-3000:]
     cwd = Path(shutil.copytree(interrupted["fsdp"], tmp_path / "cwd"))
     planted = cwd / "runs" / "r" / "checkpoints" / "step-30"

@@ -497,16 +497,22 @@ def mounts() -> Iterator[Callable[..., None]]:
             subprocess.run(["umount", "-l", target], capture_output=True)
 
 
+def small_disk(finished_run: Path, tmp_path: Path, mounts) -> Path:
+    """A tmpfs with room for two and a half checkpoints of the finished run's size, mounted at ``tmp_path/disk``."""
+    size = (finished_run / "runs" / "base" / "checkpoints" / "step-10.pt").stat().st_size
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", f"size={(5 * size // 2 + 64 * 1024) // 1024}k", "tmpfs", str(disk))
+    return disk
+
+
 def test_disk_full_during_a_save_stops_with_the_previous_checkpoints_intact(
     finished_run: Path, tmp_path: Path, mounts, record_property
 ) -> None:
     """The run directory on a file system with room for two checkpoints: the third save fails, the
     run stops right there with one clear line (it does not train on without a safety net), the two
     checkpoints are intact; once there is room, the relaunch resumes from the second."""
-    size = (finished_run / "runs" / "base" / "checkpoints" / "step-10.pt").stat().st_size
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounts("-t", "tmpfs", "-o", f"size={(5 * size // 2 + 64 * 1024) // 1024}k", "tmpfs", str(disk))
+    disk = small_disk(finished_run, tmp_path, mounts)
     run_dir = disk / "runs" / "full"
     args = [
         "model.name=mlp",
@@ -547,10 +553,7 @@ def test_disk_full_during_a_sharded_save_names_the_reason(
 ) -> None:
     """Audit break 16: under fsdp a full disk read ``CheckpointException ranks:dict_keys([0])``; the reason
     inside it is what the line says now, and the committed checkpoints are intact."""
-    size = (finished_run / "runs" / "base" / "checkpoints" / "step-10.pt").stat().st_size
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounts("-t", "tmpfs", "-o", f"size={(5 * size // 2 + 64 * 1024) // 1024}k", "tmpfs", str(disk))
+    disk = small_disk(finished_run, tmp_path, mounts)
     run_dir = disk / "runs" / "full"
     args = [
         "model.name=mlp",

@@ -4,10 +4,9 @@ model the other would take as it is."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import base_env
+from conftest import Launcher
 
 from ddp_slurm.train import strategy
 from ddp_slurm.train.checkpoint.backends import Sharded, WholeFile
@@ -20,14 +19,7 @@ def test_each_strategy_names_its_checkpoint_backend_and_what_graphs_can_capture(
 
 
 def train(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ddp_slurm.train", *overrides],
-        cwd=cwd,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return Launcher(cwd).run(Launcher(cwd).cmd_train(*overrides))
 
 
 def test_fsdp_trains_the_default_cnn_whose_weights_are_channels_last(tmp_path: Path) -> None:

@@ -122,6 +122,12 @@ def _rngs(run: Objects) -> list[Any] | None:
     return state.gather(rng.rng_state(run.device), run.rank, run.world_size)
 
 
+def _rest(record: dict[str, Any], run: Objects, what: str, where: str) -> Position:
+    """What follows the model and optimizer, for either backend (``state.resume``)."""
+    changed = f"same samples and order, fresh per-rank RNG streams {where}"
+    return state.resume(record, run.scheduler, run.task, run.seed, run.device, run.rank, run.world_size, what, changed)
+
+
 class WholeFile(Backend):
     name, what = "ddp", "files"
     extra = {
@@ -165,17 +171,7 @@ class WholeFile(Backend):
     def restore(self, path: Path, record: dict[str, Any], run: Objects) -> Position:
         run.model.load_state_dict(record["model"])
         run.optimizer.load_state_dict(record["optimizer"])
-        return state.resume(
-            record,
-            run.scheduler,
-            run.task,
-            run.seed,
-            run.device,
-            run.rank,
-            run.world_size,
-            what="a checkpoint",
-            changed="same samples and order, fresh per-rank RNG streams (see docs/tasks.md, 'Resume')",
-        )
+        return _rest(record, run, "a checkpoint", "(see docs/tasks.md, 'Resume')")
 
     def load_whole(self, path: Path, record: dict[str, Any]) -> dict[str, Any]:
         return record
@@ -273,17 +269,7 @@ class Sharded(Backend):
         except dcp_safe.FAILED as exc:  # the gate checked the index against the run: this is a read failing
             raise format.CheckpointError(f"cannot load checkpoint {path}: {dcp_safe.unwrap(exc)}") from None
         set_state_dict(run.model, run.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
-        return state.resume(
-            record,
-            run.scheduler,
-            run.task,
-            run.seed,
-            run.device,
-            run.rank,
-            run.world_size,
-            what="a sharded checkpoint",
-            changed="shards re-split by DCP, same samples and order, fresh per-rank RNG streams (see docs/scaling.md)",
-        )
+        return _rest(record, run, "a sharded checkpoint", "(shards re-split by DCP; see docs/scaling.md)")
 
     def load_whole(self, path: Path, record: dict[str, Any]) -> dict[str, Any]:
         import warnings
