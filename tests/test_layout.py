@@ -128,3 +128,19 @@ def test_the_runtime_never_imports_a_task() -> None:
         if within(target, TASKS)
     ]
     assert offenders == []
+
+
+def test_nothing_below_the_launchers_imports_them() -> None:
+    """The launchers (``submit``, the local launcher) sit on top: the config, training, the distributed
+    runtime, the Slurm job and the tools never import them (what both sides need lives below, e.g. the sweep
+    manifest in ``tools/sweeps.py``, a worker's exit record in ``exits.py``)."""
+    modules = module_names(PACKAGE)
+    below = ("ddp_slurm.config", "ddp_slurm.train", "ddp_slurm.distributed", "ddp_slurm.slurmjob", "ddp_slurm.tools")
+    offenders = [
+        f"{name}:{line} imports {target}"
+        for name, path in modules.items()
+        if any(within(name, home) for home in below)
+        for target, line in imports(name, path, modules)
+        if within(target, "ddp_slurm.launch")
+    ]
+    assert offenders == []

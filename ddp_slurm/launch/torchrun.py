@@ -41,8 +41,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 
+from ddp_slurm import exits
 from ddp_slurm.exitcodes import EXIT_STOPPED
-from ddp_slurm.launch import exits
 from ddp_slurm.train.signals import StopFlag
 
 log = logging.getLogger("ddp_slurm.launch")
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
         log.info("%s before any worker started: nothing to save; exit %d (launch again)", names, EXIT_STOPPED)
         return EXIT_STOPPED
     with tempfile.TemporaryDirectory(prefix="ddp-slurm-exits-") as exit_dir:
-        os.environ[exits.ENV] = exit_dir  # the workers inherit it (see launch/exits.py)
+        os.environ[exits.ENV] = exit_dir  # the workers inherit it (see ddp_slurm/exits.py)
         return launch(parsed, Path(exit_dir))
 
 

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, stop: StopFlag | None = None) -> int:
     args = parse_args(argv)
     if args.print_config or args.explain:
         return print_config(args)
-    from ddp_slurm.launch import exits
+    from ddp_slurm import exits
     from ddp_slurm.train import entry
 
     exits.started()  # under the local launcher: how it tells a clean stop from a killed worker

@@ -108,7 +108,8 @@ def train(
 
 
 def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
-    from ddp_slurm.distributed import chain, group, meet, stall, watchdog
+    from ddp_slurm.distributed import group, meet, stall, watchdog
+    from ddp_slurm.slurmjob import chain
     from ddp_slurm.train import checkpoint, graphs, logs, loop
     from ddp_slurm.train.rundir import RunDirError, RunLocked
 

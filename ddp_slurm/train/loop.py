@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from ddp_slurm.config import Config, ConfigError
-from ddp_slurm.distributed import allocation, chain
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.distributed.watchdog import Watchdog
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
+from ddp_slurm.slurmjob import allocation, chain
 from ddp_slurm.train import (
     accumulate,
     checkpoint,

@@ -88,7 +88,7 @@ def prepare(
         if saved.exists() and (checkpoint.list_checkpoints(run_dir) or ckpt_sharded.list_sharded(run_dir)):
             diffs = config.incompatible_changes(config.read_resolved(saved), cfg)
             if diffs:
-                raise UsageError(config.resume.changed_config(run_dir, diffs))
+                raise UsageError(config.changed_config(run_dir, diffs))
         safefs.make_dir(run_dir, shared)
         if os.path.lexists(cfg.paths.metrics):  # reopened by rank 0 later: a planted one is refused now, in one line
             os.close(safefs.open_owned(cfg.paths.metrics, os.O_WRONLY | os.O_APPEND, shared))

@@ -7,6 +7,9 @@ names a folder in ``DDP_SLURM_EXIT_DIR`` before torchrun starts the workers (the
 training process writes ``<pid>`` there when it starts (``started``) and overwrites it with its exit
 code when it leaves (``record``). A worker killed before it could write its code leaves ``started``.
 Outside the launcher the variable is unset and nothing is written.
+
+At the package's top, not under ``launch/``: training writes the record and the launcher reads it, and
+training never imports the launchers that sit above it.
 """
 
 from __future__ import annotations
