@@ -88,3 +88,26 @@ def test_a_damaged_or_planted_manifest_is_one_line(tmp_path: Path, command: str,
     assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stdout, res.stderr[-3000:])
     assert "sw/sweep.json" in lines[0] and ("move it away" in lines[0] or "remove it" in lines[0]), lines[0]
     assert res.stdout == "" and not (sweep / "report.png").exists()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "dev-zero"])
+def test_summary_of_a_sweep_whose_run_has_a_planted_metrics_file_says_pending(tmp_path: Path, planted: str) -> None:
+    sweep = tmp_path / "sw"
+    sweeps.write(sweep, sweeps.Manifest("7", (), (sweeps.Entry(0, "lr=1", ("train.lr=1",)),)))
+    (sweep / "lr=1").mkdir()
+    metrics = sweep / "lr=1" / "metrics.jsonl"
+    if planted == "fifo":
+        os.mkfifo(metrics)
+    else:
+        metrics.symlink_to("/dev/zero")
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.submit", "--summary", "sw"],
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=bounded_memory,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1].split()[:3] == ["lr=1", "1", "pending"], res.stdout

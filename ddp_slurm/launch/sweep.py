@@ -101,7 +101,7 @@ def summarize(run_dir: Path, name: str | None = None) -> RunSummary:
     run_dir = Path(run_dir)
     out = RunSummary(name or run_dir.name, str(run_dir), "pending")
     path = RunPaths(run_dir).metrics
-    if not path.exists():
+    if not path.is_file() or path.is_symlink():  # none yet; or planted (a FIFO would block, /dev/zero never end)
         return out
     starts: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
