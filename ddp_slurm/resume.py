@@ -1,7 +1,7 @@
 """``ddp-slurm resume RUN_DIR [KEY=VALUE ...]`` (or ``python -m ddp_slurm.resume``): continue a run with
 the settings it was started with.
 
-Why: a run resumes only with the config it was started with (``config.incompatible_changes``), and a
+Why: a run resumes only with the config it was started with (``config.changes_from``), and a
 user who started it with six overrides would otherwise have to type them all again. This reads
 ``RUN_DIR/config.yaml`` (the resolved config the run wrote), points ``run.output_root``/``run.name`` at
 ``RUN_DIR`` wherever it now lies, applies only the overrides given (those a resume allows: logging,
@@ -11,7 +11,10 @@ torchrun or the local launcher too::
 
     python -m ddp_slurm.launch --standalone --nproc-per-node 2 -m ddp_slurm.resume runs/two
 
-Nothing here imports torch: a bad RUN_DIR is one line and exit 2 at once.
+Nothing here imports torch: a bad RUN_DIR is one line and exit 2 at once. A run directory someone else
+could have written (another owner, writable by the group without ``run.shared``, by every user, a
+symlink) is refused here, before training imports the task its config.yaml names: that file could be
+a co-tenant's code (``safefs.check_run_dir``, with ``run.shared`` read from the saved YAML, no import).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ddp_slurm import config, safefs
 from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
 
@@ -52,12 +56,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def train_argv(run_dir: Path, overrides: list[str]) -> list[str]:
-    """The ``python -m ddp_slurm.train`` arguments that resume ``run_dir``; ValueError when it is no run."""
+    """The ``python -m ddp_slurm.train`` arguments that resume ``run_dir``; ValueError when it is no run, or
+    one that this user may not trust (see the module docstring)."""
     saved = RunPaths(run_dir).config
     if not saved.is_file():
         raise ValueError(
             f"{run_dir} is not a run directory (no config.yaml in it); give runs/<name> of a run that started"
         )
+    try:
+        shared = config.read_resolved(saved).run.shared  # the runtime's keys only: the task is not imported
+        safefs.check_run_dir(run_dir, shared)
+    except (config.ConfigError, safefs.UnsafePath) as exc:
+        raise ValueError(str(exc)) from None
     parent = run_dir.parent if str(run_dir.parent) else Path(".")
     return ["--config", str(saved), f"run.output_root={parent}", f"run.name={run_dir.name}", *overrides]
 

@@ -7,8 +7,8 @@
     checkpoints/     step-<N>.pt (ddp) or step-<N>/ (fsdp, a folder of shards, written as
                      .step-<N>.partial/ and renamed when committed); the last checkpoint.keep kept
     .lock            the lock one launch holds while it trains (train/rundir.py)
-    lost_nodes       hosts a run lost a rank on, one line each (distributed/badnodes.py)
-    chain/           the batch scripts of chained successor jobs, <job id>.sh (distributed/chain.py)
+    lost_nodes       hosts a run lost a rank on, one line each (slurmjob/badnodes.py)
+    chain/           the batch scripts of chained successor jobs, <job id>.sh (slurmjob/chain.py)
     loggers.json     each logger's run id, so every launch logs into one logger run (train/loggers/)
     tensorboard/     event files with log.tensorboard=true
     csv/             train.csv, eval.csv, events.csv with log.csv=true

@@ -211,10 +211,11 @@ def read_small(path: Path, limit: int = 1 << 20) -> str | None:
                 f"{path} is a {_kind(os.lstat(path).st_mode)}, not a file this run wrote: remove it"
             ) from None
         raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # before fdopen, which refuses a directory with a bare IsADirectoryError
+        os.close(fd)
+        raise UnsafePath(f"{path} is a {_kind(mode)}, not a file this run wrote: remove it")
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnsafePath(f"{path} is a {_kind(mode)}, not a file this run wrote: remove it")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise UnsafePath(f"{path} is larger than {limit} bytes: not a file this run wrote; remove it")

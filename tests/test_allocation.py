@@ -9,8 +9,8 @@ import pytest
 
 from ddp_slurm import config
 from ddp_slurm.config import ConfigError
-from ddp_slurm.distributed.allocation import check_allocation
-from ddp_slurm.distributed.jobinfo import allocation_values, job_signal, parse_job, parse_signal_spec, script_options
+from ddp_slurm.slurmjob.allocation import check_allocation
+from ddp_slurm.slurmjob.jobinfo import allocation_values, job_signal, parse_job, parse_signal_spec, script_options
 
 JOB = (
     "JobId=3 JobName=s.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901757 Nice=0 Account=(null) "

@@ -1,15 +1,21 @@
-"""Lost nodes: read from the watchdog's own verdict, recorded in the run directory, excluded by submit.
+"""Lost nodes: read from the watchdog's own verdict, recorded in the run directory, excluded by submit; a
+planted or damaged record is never written through, never blocks, never reaches scontrol or sbatch.
 (The requeue without the node runs on the real cluster: tests/cluster/test_faults_cluster.py.)"""
 
 from __future__ import annotations
 
+import os
+import resource
+import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Launcher
+import pytest
+from conftest import Launcher, base_env
 
-from ddp_slurm.distributed import badnodes
+from ddp_slurm import safefs
 from ddp_slurm.distributed.watchdog import PeerLost, Watchdog
+from ddp_slurm.slurmjob import badnodes
 
 
 def test_the_hosts_of_the_watchdogs_verdict() -> None:
@@ -40,3 +46,86 @@ def test_a_resubmission_excludes_the_nodes_the_run_lost(launcher: Launcher) -> N
     assert "#SBATCH --exclude=node9,node3\n" in res.stdout, res.stdout
     other = launcher.run([*submit[:-1], "other"], check=True)
     assert "--exclude" not in other.stdout
+
+
+# --------------------------------------------------------------------------- a planted or damaged lost_nodes
+VICTIM = "victim-host\tnot yours\n"
+SURVIVOR = """
+import logging, resource, sys
+from types import SimpleNamespace
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a /dev/zero read must fail, not take the machine
+from ddp_slurm import config
+from ddp_slurm.slurmjob import chain
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+cfg = config.load(None, [f"run.output_root={sys.argv[1]}", "run.name=r"], resolve=False)
+env = SimpleNamespace(job_id="41", restart_count=0, rank=1, in_slurm_job=True, slurm_job_ref="41")
+chain.after_peer_lost(cfg, env, RuntimeError("lost rank 0 (host node3, pid 9): no heartbeat for 7 s"))
+print("went on")
+"""
+
+
+def plant(lost_nodes: Path, what: str, victim: Path) -> None:
+    if what == "symlink":
+        lost_nodes.symlink_to(victim)
+    elif what == "dev-zero":
+        lost_nodes.symlink_to("/dev/zero")
+    elif what == "fifo":
+        os.mkfifo(lost_nodes)
+    elif what == "directory":
+        lost_nodes.mkdir()
+    else:  # a host that is not a Slurm host name: it would reach scontrol and sbatch
+        lost_nodes.write_text("node1;touch pwned\t41\t0\t2024-01-01T00:00:00\t0\tlost\n")
+
+
+def bounded_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+@pytest.mark.parametrize("what", ["symlink", "dev-zero", "fifo", "directory"])
+def test_a_surviving_rank_warns_once_and_goes_on_when_lost_nodes_is_planted(
+    tmp_path: Path, launcher: Launcher, what: str
+) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text(VICTIM)
+    (tmp_path / "r").mkdir()
+    plant(tmp_path / "r" / "lost_nodes", what, victim)
+    res = launcher.run([sys.executable, "-c", SURVIVOR, str(tmp_path)], timeout=60)
+    assert res.returncode == 0 and res.stdout == "went on\n", (res.returncode, res.stdout, res.stderr)
+    warnings = res.stderr.strip().splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING could not record the lost node(s) node3"), warnings
+    assert "lost_nodes" in warnings[0]
+    assert victim.read_text() == VICTIM  # never written through
+
+
+@pytest.mark.parametrize("what", ["symlink", "dev-zero", "fifo", "directory", "bad-host"])
+def test_submit_refuses_a_planted_lost_nodes_in_one_line(launcher: Launcher, what: str) -> None:
+    victim = launcher.cwd / "victim.txt"
+    victim.write_text(VICTIM)
+    run_dir = launcher.cwd / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    plant(run_dir / "lost_nodes", what, victim)
+    before = sorted(p.name for p in run_dir.iterdir())
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.submit", "--dry-run", "--name", "r"],
+        cwd=launcher.cwd,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=bounded_memory,
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stdout, res.stderr)
+    assert f"{run_dir / 'lost_nodes'}" in lines[0] and "remove it" in lines[0], lines[0]
+    assert res.stdout == "" and sorted(p.name for p in run_dir.iterdir()) == before
+    assert victim.read_text() == VICTIM
+
+
+def test_a_host_that_is_not_a_slurm_name_is_neither_recorded_nor_read_back(tmp_path: Path) -> None:
+    assert badnodes.record(tmp_path, ["node2", "$(reboot)"], "41", 0, "lost ranks 1, 2\nsecond line")
+    assert badnodes.excluded(tmp_path) == ["node2"]
+    assert len((tmp_path / "lost_nodes").read_text().splitlines()) == 1  # the verdict's newline stays in its line
+    with open(tmp_path / "lost_nodes", "a") as f:
+        f.write("node 4\t41\t1\t-\t0\tplanted\n")
+    with pytest.raises(safefs.UnsafePath, match=r"lost_nodes line 2: 'node 4' is not a Slurm host name"):
+        badnodes.excluded(tmp_path)

@@ -8,6 +8,7 @@ stderr, and no run directory created.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import yaml
 from conftest import REPO, Launcher, base_env
 
 from ddp_slurm import config
-from ddp_slurm.config import Config, ConfigError
+from ddp_slurm.config import Config, ConfigError, doc
 from ddp_slurm.distributed.env import free_port
 
 JOBS = REPO / "jobs"
@@ -263,6 +264,72 @@ def test_incompatible_changes() -> None:
     assert "run.seed: 0 -> 5" in joined
 
 
+def test_a_saved_config_is_read_back_without_importing_its_task(tmp_path: Path) -> None:
+    """config.yaml names a task file that does not even exist: read, typed for the runtime's keys, its task
+    sections kept as written (unchecked), dumped again unchanged; only ``resolve`` would import it."""
+    path = tmp_path / "config.yaml"
+    body = {"task": "nowhere.py:Missing", "train": {"epochs": 2}, "model": {"name": "mlp", "width": 3}}
+    path.write_text(yaml.safe_dump(body))
+    saved = config.read_resolved(path)
+    assert not saved.resolved and saved.task == "nowhere.py:Missing" and saved.train.epochs == 2
+    assert saved.model.name == "mlp" and saved.to_dict()["model"] == {"name": "mlp", "width": 3}
+    assert config.read_saved(path) == body
+    config.dump(saved, tmp_path / "again.yaml")
+    assert yaml.safe_load((tmp_path / "again.yaml").read_text()) == saved.to_dict()
+    for explain in (False, True):  # --print-config's YAML reads back the same
+        assert config.from_dict(yaml.safe_load(doc.render(saved, explain)), resolve=False) == saved
+    with pytest.raises(ConfigError, match=r"nowhere.py.* not found .*in " + str(path)):
+        config.resolve(saved)
+
+
+def test_an_unresolved_config_keeps_the_tasks_keys_and_resolve_checks_them_as_load_does(tmp_path: Path) -> None:
+    given = ["model.name=mlp", "data.root=2024", "train.epochs=2"]
+    unchecked = config.load(None, given, resolve=False)
+    assert not unchecked.resolved and unchecked.to_dict()["model"] == {"name": "mlp"}
+    resolved = config.resolve(unchecked)
+    assert resolved == config.load(None, given) and resolved.data.root == "2024"  # typed text stays text
+    assert config.resolve(resolved) is resolved
+    for bad, says in (
+        ("model.name=resnet", "model.name in the command line: expected one of"),
+        ("trian.epochs=3", "unknown config section 'trian' (key 'trian.epochs') in the command line (did you mean"),
+        ("model.nmae=cnn", "unknown config key 'model.nmae' in the command line (did you mean 'model.name'?)"),
+    ):
+        cfg = config.load(None, [bad], resolve=False)  # kept: nothing says what the task's keys are
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            config.resolve(cfg)
+    path = tmp_path / "job.yaml"
+    for body, says in (("1:\n  a: 2\n", "unknown config section '1'"), ("model:\n  name: [1]\n", "expected a scalar")):
+        path.write_text(body)
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            config.load(path, resolve=False)  # the shape every key has is checked even unresolved
+
+
+def test_changes_from_checks_the_same_tasks_sections_with_the_live_class() -> None:
+    cfg = config.load()
+    saved = config.load(None, ["model.name=mlp", "train.lr=0.1", "checkpoint.keep=9"]).to_dict()
+    assert config.changes_from(saved, cfg, "checkpoint step-3.pt") == [
+        "train.lr: 0.1 -> 0.004",
+        "model.name: 'mlp' -> 'cnn'",
+    ]
+    assert config.changes_from(cfg.to_dict(), cfg, "checkpoint step-3.pt") == []
+    other = {"task": "elsewhere.py:Other", "model": {"name": "resnet", "depth": 50}}
+    assert config.changes_from(other, cfg, "x") == [
+        f"task: 'elsewhere.py:Other' -> {cfg.task!r}"  # another task: its sections are not checked by ours
+    ]
+    for bad in (
+        [1, 2],
+        {},
+        {"train": {"epochs": -1}},
+        {"task": 3},
+        {"model": {"name": "resnet"}},
+        {"model": {"nmae": "cnn"}},
+        {"train": 7},
+    ):
+        with pytest.raises(ConfigError) as err:
+            config.changes_from(bad, cfg, "checkpoint step-3.pt")
+        assert "checkpoint step-3.pt" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 def test_each_runtime_key_is_declared_once_on_its_field() -> None:
     """Check, resumability and YAML key live on the field (``checked``) or its section (``RESUMABLE``):
     the keys a relaunch may change are exactly the ones that change how a run goes, not what it computes."""
@@ -271,7 +338,7 @@ def test_each_runtime_key_is_declared_once_on_its_field() -> None:
         f"{section}.{key}"
         for section in config.RUNTIME_SECTIONS
         for key in cfg.to_dict()[section]
-        if config.resume._resumable(cfg, f"{section}.{key}")
+        if config.relaunch._resumable(cfg, f"{section}.{key}")
     }
     sections = ("checkpoint", "dist", "slurm", "log")
     whole = {f"{s}.{k}" for s in sections for k in cfg.to_dict()[s]}

@@ -241,3 +241,17 @@ def test_a_run_that_logged_its_loss_once_still_shows_it(tmp_path: Path) -> None:
                 longer = [line for line in ax.get_lines() if len(line.get_xdata()) > 1]  # incl. epoch marks
                 assert lone and all(line.get_marker() == "o" for line in lone), ax.get_ylabel()
                 assert longer and all(line.get_marker() == "None" for line in longer), ax.get_ylabel()
+
+
+def test_a_metrics_file_that_is_a_symlink_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A run never writes its metrics.jsonl as a link: one planted there (to another run's file, or to /dev/zero,
+    which would never end) is refused, not followed."""
+    write_run(tmp_path / "elsewhere", 1e-3)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").symlink_to(tmp_path / "elsewhere" / "metrics.jsonl")
+    res = run_report("r", "--no-accounting", cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "r/metrics.jsonl is a symlink" in lines[0] and not (tmp_path / "r" / "report.png").exists()
+    with pytest.raises(report.ReportError, match="symlink"):
+        report.read_history(tmp_path / "r")

@@ -19,6 +19,8 @@ def test_every_file_of_a_run_directory_has_its_contract_name(tmp_path: Path) -> 
     assert paths.checkpoint(12) == tmp_path / "checkpoints" / "step-12.pt"
     assert paths.lock == tmp_path / ".lock" and paths.report == tmp_path / "report.png"
     assert paths.tensorboard == tmp_path / "tensorboard" and paths.submitit == tmp_path / "submitit"
+    assert paths.lost_nodes == tmp_path / "lost_nodes" and paths.sweep == tmp_path / "sweep.json"
+    assert paths.chain_script("41") == tmp_path / "chain" / "41.sh"
     assert not paths.is_run()
     paths.metrics.write_text("")
     assert paths.is_run()
@@ -26,7 +28,7 @@ def test_every_file_of_a_run_directory_has_its_contract_name(tmp_path: Path) -> 
 
 def test_no_other_module_spells_a_run_directory_file_name() -> None:
     """A string that is exactly one of the names (a path being built), outside runpaths.py, is a second home."""
-    names = {"config.yaml", "metrics.jsonl", "checkpoints", ".lock", "report.png"}
+    names = {"config.yaml", "metrics.jsonl", "checkpoints", ".lock", "report.png", "lost_nodes", "sweep.json"}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "runpaths.py":

@@ -7,6 +7,7 @@ tests/cluster/test_submit_cluster.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import Launcher, base_env
+
+from ddp_slurm import config
+from ddp_slurm.config import ConfigError
 
 SUBMIT = [sys.executable, "-m", "ddp_slurm.submit"]
 TINY = ["model.name=mlp", "train.epochs=1", "train.max_steps=20", "train.log_every_steps=5"]
@@ -128,6 +132,60 @@ def test_dry_run_takes_defaults_from_the_config_and_flags_win(launcher: Launcher
     assert flags["job-name"] == "fromfile"
 
 
+def test_resource_flags_are_made_from_the_slurm_sections_fields() -> None:
+    """One declaration per key: each slurm.* field is a flag (its docstring the help, its check the check),
+    with the spellings users have; requeue (on by default) and requeue_mode (submit jobs never chain) are not."""
+    from ddp_slurm.config import SlurmConfig
+    from ddp_slurm.launch import flags, submit
+
+    spelled = {s: a for a in submit.build_parser()._actions for s in a.option_strings}
+    for name in ("-N", "--nodes", "--tasks-per-node", "--ntasks-per-node", "--signal-delay", "--time", "--exclusive"):
+        assert name in spelled, name
+    fields = {f.name for f in dataclasses.fields(SlurmConfig)}
+    assert {f.dest for f in flags.FLAGS} == fields - {"requeue", "requeue_mode"}
+    for flag in flags.FLAGS:
+        assert spelled[flag.spellings[0]].help == flag.help and flag.help.endswith(f"(slurm.{flag.dest})")
+    assert "one per GPU" in spelled["--tasks-per-node"].help  # the field's docstring
+    for sbatch_option in ("nodes", "ntasks_per_node", "gpus_per_node", "time", "mem_per_gpu", "exclusive", "signal"):
+        assert sbatch_option in flags.OWN_OPTIONS, sbatch_option
+    with pytest.raises(ConfigError, match=r"slurm.cpus_per_task in the command line: expected an integer >= 1, got 0"):
+        config.load(None, ["slurm.cpus_per_task=0"])  # the flag's message above is this one's
+
+
+def test_a_submission_reads_its_config_once_and_imports_its_task_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """make_plan reads the config once and derives each run's from it; the task is resolved once for a real
+    submission and never for a dry run (counted by wrapping the two functions, which still do their work)."""
+    from ddp_slurm.config import schema
+    from ddp_slurm.launch import plan, preview, submit
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("model:\n  name: mlp\n")
+    counts = {"load": 0, "task": 0}
+    real_load, real_task_class = config.load, schema.task_class
+
+    def load(*args, **kwargs):
+        counts["load"] += 1
+        return real_load(*args, **kwargs)
+
+    def task_class(spec):
+        counts["task"] += 1
+        return real_task_class(spec)
+
+    monkeypatch.setattr(config, "load", load)
+    monkeypatch.setattr(schema, "task_class", task_class)
+    argv = ["--cluster", "local", "--config", "job.yaml", "--sweep", "train.lr=1e-3,2e-3,3e-3", "model.name=cnn"]
+    made = plan.make_plan(submit.build_parser().parse_intermixed_args(argv))
+    assert [r.cfg.train.lr for r in made.runs] == [1e-3, 2e-3, 3e-3]
+    assert all(r.cfg.resolved and r.cfg.model.name == "cnn" for r in made.runs)
+    assert counts == {"load": 1, "task": 1}
+    counts.update(load=0, task=0)
+    dry = plan.make_plan(submit.build_parser().parse_intermixed_args(["--dry-run", "--config", "job.yaml"]))
+    assert "model:\n#     name: mlp" in preview.summary(dry)
+    assert counts == {"load": 1, "task": 0}
+
+
 def test_dry_run_of_a_sweep_is_a_job_array(launcher: Launcher) -> None:
     res = launcher.run(SUBMIT + ["--dry-run", "--name", "sw", "--sweep", "train.lr=1e-3,3e-3,1e-2"], check=True)
     flags = sbatch_lines(res.stdout)
@@ -141,6 +199,9 @@ def test_dry_run_of_a_sweep_is_a_job_array(launcher: Launcher) -> None:
     [
         (["--nodes", "0"], "--nodes: expected an integer >= 1"),
         (["--nodes", "two"], "--nodes: expected an integer"),
+        (["--cpus-per-task", "0"], "argument --cpus-per-task: expected an integer >= 1, got 0"),
+        (["--signal", "KILL"], "argument --signal: expected one of 'USR1', 'USR2'"),
+        (["--max-requeues", "-1"], "argument --max-requeues: expected an integer >= 0, got -1"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--cluster", "mars"], "argument --cluster: invalid choice"),
         (["--cluster", "local", "--nodes", "2"], "--nodes 2 needs Slurm"),

@@ -74,9 +74,10 @@ def test_bad_task_through_the_python_api_returns_2(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("task", ["nowhere.py:Digits", "line_task.py:NotATask", "line_task.py:Incomplete"])
 def test_bad_task_through_submit_exits_2_before_submitting(tmp_path: Path, task: str) -> None:
-    """``python -m ddp_slurm.submit`` checks the task on the submitting machine: nothing reaches Slurm."""
+    """``python -m ddp_slurm.submit`` checks the task on the submitting machine before anything is queued:
+    nothing reaches Slurm (a dry run imports no task: tests/test_planted_task.py)."""
     write_line_task(tmp_path)
-    cmd = [sys.executable, "-m", "ddp_slurm.submit", "--nodes", "4", "--dry-run", f"task={task}"]
+    cmd = [sys.executable, "-m", "ddp_slurm.submit", "--nodes", "4", f"task={task}"]
     res = Launcher(tmp_path).run(cmd, timeout=300)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr

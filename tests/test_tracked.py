@@ -17,7 +17,7 @@ from conftest import Launcher, base_env
 from tasks_helpers import LINE_RUN, write_line_task
 
 from ddp_slurm.launch import sweep
-from ddp_slurm.tools import figures, report, tracked
+from ddp_slurm.tools import figures, report, sweeps, tracked
 
 LRS = ["0.05", "0.5", "0.005"]  # in the manifest in this order; by mse: 0.5, 0.05, 0.005
 
@@ -28,7 +28,7 @@ def line_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_line_task(tmp)
     root = tmp / "runs" / "line-sweep"
     points = sweep.points([f"train.lr={','.join(LRS)}"])
-    sweep.write_manifest(root, "12345", points, [])
+    sweeps.write(root, sweep.manifest("12345", points, []))
     overrides = [o for o in LINE_RUN if not o.startswith("train.lr=")]
     for point in points:
         cmd = Launcher(tmp).cmd_train(

@@ -1,29 +1,40 @@
 """Typed run configuration: dataclasses, YAML files and dotted ``KEY=VALUE`` overrides.
 
 - ``schema.py``: every section as a dataclass; each key declared once, on its field (type, default,
-  docstring, and through ``checked`` its value check, resumability and YAML key);
-- ``loading.py``: defaults, then a file, then overrides, each value checked (``load``), and the
-  resolved config written into a run directory and read back (``dump``, ``read_resolved``);
-- ``resume.py``: which keys a relaunch of the same run may change (``incompatible_changes``);
+  docstring, and through ``checked`` its value check, resumability, YAML key and ``submit`` flags);
+- ``files.py``: a config file read safely and written atomically; a run's ``config.yaml`` read back as the
+  mapping it holds (``read_saved``, ``dump``);
+- ``loading.py``: defaults, then a file, then overrides, each value checked (``load``); the task imported
+  only when asked for (``resolve``), never for a config read from a run (``read_resolved``);
+- ``unchecked.py``: a task's sections as given while its task is not imported;
+- ``relaunch.py``: which keys a relaunch of the same run may change (``changes_from``, ``incompatible_changes``);
 - ``doc.py``: the printed reference (``--print-config --explain``), from the fields' docstrings.
 
 Everything is importable from here (``ddp_slurm.config.load``, ``ddp_slurm.config.Config``, ...).
 Torch-free: ``--help`` and ``--print-config`` answer without it.
 """
 
-from ddp_slurm.config.loading import (
-    CONTROL,
+from ddp_slurm.config.files import (
     MAX_CONFIG_BYTES,
-    check_world_size,
+    damaged,
     dump,
-    from_dict,
-    load,
     parse_override,
     parse_yaml_file,
-    read_resolved,
+    read_saved,
     read_text,
 )
-from ddp_slurm.config.resume import incompatible_changes
+from ddp_slurm.config.loading import (
+    CONTROL,
+    check_world_size,
+    checked_with,
+    from_dict,
+    load,
+    read_resolved,
+    resolve,
+    value_of,
+    with_overrides,
+)
+from ddp_slurm.config.relaunch import changed_config, changes_from, incompatible_changes
 from ddp_slurm.config.schema import (
     RUN_NAME,
     RUNTIME_SECTIONS,
@@ -54,8 +65,12 @@ __all__ = [
     "RunConfig",
     "SlurmConfig",
     "TrainConfig",
+    "changed_config",
+    "changes_from",
     "check_world_size",
     "checked",
+    "checked_with",
+    "damaged",
     "dump",
     "from_dict",
     "incompatible_changes",
@@ -63,16 +78,10 @@ __all__ = [
     "parse_override",
     "parse_yaml_file",
     "read_resolved",
+    "read_saved",
     "read_text",
+    "resolve",
     "task_class",
+    "value_of",
+    "with_overrides",
 ]
-
-
-def changes_from(saved, cfg, where):  # TEMPORARY shim until the config layer reads without importing
-    return incompatible_changes(from_dict(saved, where), cfg)
-
-
-def read_saved(path):  # TEMPORARY shim
-    import yaml
-
-    return yaml.safe_load(read_text(path))

@@ -43,7 +43,8 @@ def scalar(value: Any) -> str:
 def render(cfg: Config, explain: bool = False) -> str:
     """The config as YAML that ``--config`` reads back; with ``explain``, every key under a comment
     saying what it means (wrapped at 100 columns). The task's own sections come after the runtime's,
-    documented the same way (their docstrings live in the task's code)."""
+    documented the same way (their docstrings live in the task's code); a config whose task is not
+    imported shows them as given."""
     lines: list[str] = []
     if explain:
         lines += [f"# {chunk}" for chunk in textwrap.wrap(field_docs(Config).get("task", ""), 98)]
@@ -58,4 +59,9 @@ def render(cfg: Config, explain: bool = False) -> str:
                 for chunk in textwrap.wrap(docs[f.name], 96):
                     lines.append(f"  # {chunk}")
             lines.append(f"  {f.metadata.get('key', f.name)}: {scalar(getattr(section, f.name))}")  # YAML's key
+    if not cfg.resolved:  # the task not imported: its keys as given, with no docstring to show
+        for name, body in cfg.task_config.sections().items():
+            lines += ["", f"# {name}: as given; checked once {cfg.task} is imported"] if explain else []
+            lines.append(f"{name}:")
+            lines += [f"  {key}: {scalar(value)}" for key, value in body.items()]
     return "\n".join(lines) + "\n"

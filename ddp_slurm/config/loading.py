@@ -2,29 +2,33 @@
 
 ``load`` checks the whole config before any work starts: an unknown key (with a "did you mean" hint),
 a wrong type or an invalid value raises ``ConfigError`` whose message names the key, the file and what
-was expected. The entry points turn it into exit 2. Also the way back: ``dump`` writes the resolved
-config into a run directory, ``read_resolved`` reads it again.
+was expected. The entry points turn it into exit 2.
+
+The task is imported only when asked for: ``load`` (training), ``resolve`` (a real ``submit``, once) and
+``from_dict`` resolve it; ``load(..., resolve=False)``, ``from_dict(..., resolve=False)`` and
+``read_resolved`` (a run's config.yaml read back) keep its sections unchecked (``unchecked.py``), so that a
+command that only reads a run never runs the file its config names.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
-import os
 import re
-import reprlib
-import stat
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from ddp_slurm import taskref
-from ddp_slurm.config.schema import Config, ConfigError, _field_types, _fields, _keys
+from ddp_slurm.config.files import _show, damaged, parse_override, parse_yaml_file, read_saved
+from ddp_slurm.config.schema import RUNTIME_SECTIONS, Config, ConfigError, _field_types, _fields, _keys, _type_hints
+from ddp_slurm.config.unchecked import Given, Unchecked
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # never in a config string: they reach job scripts
-MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; more is a mistake (or /dev/zero)
 _INT_LIMIT = 1 << 62  # larger integers overflow the int64s they end up in (torch, timedelta, Slurm)
+_SCALARS = (str, int, float, bool, type(None))
 
 
 def _describe(tp: Any) -> str:
@@ -41,15 +45,6 @@ def _describe(tp: Any) -> str:
         str: "a string without control characters",
         bool: "true or false",
     }.get(tp, str(tp))
-
-
-_SHOW = reprlib.Repr()
-_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxlevel = 60, 60, 4, 4, 2
-
-
-def _show(value: Any) -> str:
-    """``repr`` for an error line, kept short: a YAML alias bomb must not become a 350 MB message."""
-    return _SHOW.repr(value)
 
 
 def _coerce(value: Any, tp: Any) -> Any:
@@ -106,29 +101,79 @@ def _all_keys(cfg: Config) -> list[str]:
     return ["task"] + [f"{s}.{name}" for s, sec in cfg.sections().items() for name in _keys(sec)]
 
 
-def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
+def _wants_text(tp: Any) -> bool:
+    """True for a string field (possibly optional, not a choice): a number typed for it is its text."""
+    return tp is str or (typing.get_origin(tp) is not Literal and str in typing.get_args(tp))
+
+
+class _Unfit(Exception):
+    """A value a field does not take: ``expected`` (what it takes), ``got`` (what came) and, where the field's
+    check said it, ``why``."""
+
+    def __init__(self, expected: str, got: Any, why: str | None = None) -> None:
+        super().__init__(expected)
+        self.expected, self.got, self.why = expected, got, why
+
+
+def _typed(target: Any, name: str, value: Any, text: str | None = None) -> Any:
+    """``value`` as field ``name`` of the section ``target`` takes it: its type, then its own check; else _Unfit.
+    ``text``: what was typed on a command line, the value of a string field (``run.name=2024`` is "2024")."""
+    tp = _field_types(target)[name]
+    if text is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and _wants_text(tp):
+        value = text
+    try:
+        coerced = _coerce(value, tp)
+    except TypeError:
+        raise _Unfit(_describe(tp), value) from None
+    check = _fields(target)[name].metadata.get("check")
+    try:
+        fits = not check or check[0](coerced)
+    except ValueError as exc:  # a check that says why (slurm.time: "'0' is no time at all")
+        raise _Unfit(check[1], value, str(exc)) from None
+    if not fits:
+        raise _Unfit(check[1], value)
+    return coerced
+
+
+def _apply(cfg: Config, key: str, value: Any, where: str, text: str | None = None) -> None:
     if key == "slurm.time_min":  # the old spelling (minutes): still read, run directories hold it
         key = "slurm.time"
     if key == "slurm.time" and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)  # `time: 90` in YAML: minutes, as sbatch reads a bare number
-    sections = cfg.sections()
     section, _, name = key.partition(".")
+    if not cfg.resolved and section not in RUNTIME_SECTIONS:
+        _keep(cfg.task_config, key, value, where, text)
+        return
+    sections = cfg.sections()
     if section not in sections:
         hint = _suggest(key, _all_keys(cfg)) or f" (sections are {', '.join(sections)})"
         raise ConfigError(f"unknown config section {section!r} (key {key!r}) in {where}{hint}")
     target = sections[section]
-    hints = _field_types(target)
     if not name or name not in _keys(target):
         raise ConfigError(f"unknown config key {key!r} in {where}{_suggest(key, _all_keys(cfg))}")
     name = _keys(target)[name]
     try:
-        coerced = _coerce(value, hints[name])
-    except TypeError:
-        raise ConfigError(f"{key} in {where}: expected {_describe(hints[name])}, got {_show(value)}") from None
-    check = _fields(target)[name].metadata.get("check")
-    if check and not check[0](coerced):
-        raise ConfigError(f"{key} in {where}: expected {check[1]}, got {_show(value)}")
+        coerced = _typed(target, name, value, text)
+    except _Unfit as bad:
+        raise ConfigError(f"{key} in {where}: expected {bad.expected}, got {_show(bad.got)}") from None
     setattr(target, name, coerced)
+
+
+def _keep(unchecked: Unchecked, key: str, value: Any, where: str, text: str | None) -> None:
+    """A task's key while the task is not imported: kept as given, once it has the shape every key has."""
+    section, _, name = key.partition(".")
+    if not section.isidentifier() or section == "task" or not name:
+        runtime = ", ".join(RUNTIME_SECTIONS)
+        raise ConfigError(
+            f"unknown config section {section!r} (key {key!r}) in {where} (sections are {runtime} and the task's own)"
+        )
+    if not isinstance(value, _SCALARS) or (isinstance(value, str) and CONTROL.search(value)):
+        raise ConfigError(
+            f"{key} in {where}: expected a scalar (a string without control characters, a number, true, false "
+            f"or null), got {_show(value)}"
+        )
+    unchecked.values.pop(key, None)  # a later value wins, and takes the later place
+    unchecked.values[key] = Given(value, where, text)
 
 
 def _split(data: Any, where: str) -> tuple[str | None, dict[str, Any]]:
@@ -153,124 +198,8 @@ def _split(data: Any, where: str) -> tuple[str | None, dict[str, Any]]:
     return task, flat
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"train.lr=1e-3"`` -> ``("train.lr", 0.001)``; the value is read as a YAML scalar."""
-    import yaml  # lazy: keeps `import ddp_slurm.config` cheap
-
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if key == "task" and sep:
-        return key, raw.strip()
-    if not sep or not key or "." not in key:
-        raise ConfigError(f"bad override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.epochs=3")
-    try:
-        value = _yaml(raw, f"override {text!r}") if raw.strip() else None
-    except yaml.YAMLError:
-        raise ConfigError(f"bad override {text!r}: the value is not a YAML scalar") from None
-    if isinstance(value, (dict, list)):
-        raise ConfigError(f"bad override {text!r}: the value must be a scalar, not a {type(value).__name__}")
-    return key, value
-
-
-def _loader() -> type:
-    """PyYAML's safe loader, refusing a key that appears twice in one mapping (PyYAML keeps the last one
-    silently: a user who typed ``lr`` twice would train with the value they did not look at)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    # Without YAML 1.1's base-60 numbers: ``time: 1:30:00`` stays the text Slurm reads, not the integer 5400.
-    int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
-    Loader.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in pairs if tag not in (int_tag, float_tag)]
-        for first, pairs in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
-    Loader.add_implicit_resolver(
-        int_tag,
-        re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-        list("-+0123456789"),
-    )
-    Loader.add_implicit_resolver(
-        float_tag,
-        re.compile(
-            r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
-            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-        ),
-        list("-+0123456789."),
-    )
-
-    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-        loader.flatten_mapping(node)
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in seen:
-                raise ConfigError(f"key {_show(key)} appears twice (line {key_node.start_mark.line + 1})")
-            seen.add(key) if isinstance(key, typing.Hashable) else None
-        return loader.construct_mapping(node, deep=True)
-
-    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    return Loader
-
-
-def _yaml(text: str, where: str) -> Any:
-    """Parse YAML text; a duplicate key is a ConfigError naming ``where``. YAMLError passes through."""
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    except RecursionError:  # thousands of nested brackets
-        raise ConfigError(f"{where}: nested too deeply") from None
-
-
-def read_text(path: Path) -> str:
-    """A config file's text, refusing what is not a small UTF-8 plain file: a FIFO or a device would
-    block or never end (``/dev/zero``), a directory or a binary file gives a traceback otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"config file {path} not found (configs ship under jobs/, e.g. jobs/mnist_sample.yaml)"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a plain file (a FIFO, socket or device)"
-        raise ConfigError(f"config file {path} cannot be read: it is {kind}; give a YAML file")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        except OSError as exc:
-            raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes: not a job config")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): give a YAML file") from None
-
-
-def parse_yaml_file(path: Path) -> Any:
-    """``read_text`` + YAML, every problem one ConfigError line naming the file."""
-    import yaml
-
-    text = read_text(path)
-    try:
-        return _yaml(text, f"config file {path}")
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"config file {path} is not valid YAML{at}: {problem}") from None
-
-
 def _new(task: str | type | None, where: str) -> Config:
-    """Defaults for ``task`` (a path, a Task class, or None for the default task)."""
+    """Defaults for ``task`` (a path, a Task class, or None for the default task): imports the task."""
     if isinstance(task, type):
         try:
             cls = taskref.validate_class(task, taskref.task_path(task))
@@ -283,20 +212,33 @@ def _new(task: str | type | None, where: str) -> Config:
         raise ConfigError(f"{exc} (in {where})") from None
 
 
-def from_dict(data: Mapping[str, Any], where: str = "<dict>", task: str | type | None = None) -> Config:
-    """A config from a mapping shaped like the YAML files (``task`` from the mapping unless given)."""
+def _start(task: str | type | None, where: str, resolve: bool) -> Config:
+    """Defaults for ``task``: imported (``resolve``, or a Task class given from Python), else unchecked."""
+    if resolve or isinstance(task, type):
+        return _new(task, where)
+    return Config(task=task or taskref.DEFAULT, task_config=Unchecked(where))
+
+
+def from_dict(
+    data: Mapping[str, Any], where: str = "<dict>", task: str | type | None = None, resolve: bool = True
+) -> Config:
+    """A config from a mapping shaped like the YAML files (``task`` from the mapping unless given).
+    ``resolve=False``: the task is not imported and its sections stay as given (a saved config read back)."""
     spec, flat = _split(data, where)
-    cfg = _new(task if task is not None else spec, where)
+    cfg = _start(task if task is not None else spec, where, resolve)
     for key, value in flat.items():
         _apply(cfg, key, value, where)
     return cfg
 
 
-def load(path: str | Path | None = None, overrides: Iterable[str] = (), task: type | None = None) -> Config:
+def load(
+    path: str | Path | None = None, overrides: Iterable[str] = (), task: type | None = None, resolve: bool = True
+) -> Config:
     """Defaults, then the YAML file at ``path`` (if given), then ``KEY=VALUE`` overrides in order.
 
     The task (``task:`` in the file, ``task=...`` on the command line, or the ``task`` class given by the
-    Python API) is resolved first: its sections are then checked like the runtime's.
+    Python API) is imported first: its sections are then checked like the runtime's. ``resolve=False``
+    (``submit --dry-run``): the task is not imported, its keys are kept unchecked; ``resolve`` does the rest.
     """
     where = str(path) if path is not None else "the command line"
     spec, flat = _split(parse_yaml_file(Path(path)), str(path)) if path is not None else (None, {})
@@ -304,50 +246,80 @@ def load(path: str | Path | None = None, overrides: Iterable[str] = (), task: ty
     for _, key, value in parsed:
         if key == "task":
             spec, where = value, "the command line"
-    cfg = _new(task if task is not None else spec, where)
+    cfg = _start(task if task is not None else spec, where, resolve)
     for key, value in flat.items():
         _apply(cfg, key, value, str(path))
     for text, key, value in parsed:
-        if key == "task":
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and _wants_text(cfg, key):
-            value = text.partition("=")[2].strip()  # run.name=2024 means the name "2024", not an error
-        _apply(cfg, key, value, "the command line")
+        if key != "task":
+            _apply(cfg, key, value, "the command line", text.partition("=")[2].strip())
     return cfg
 
 
-def _wants_text(cfg: Config, key: str) -> bool:
-    """True when ``key`` is a string field (possibly optional): a number typed for it is its text."""
+def with_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
+    """A copy of ``cfg`` with ``KEY=VALUE`` overrides applied, each checked as ``load`` checks it (a resolved
+    config's task keys too): one run of a submission derived from its config, without reading it again."""
+    out = copy.deepcopy(cfg)
+    for text in overrides:
+        key, value = parse_override(text)
+        if key == "task":
+            if value != cfg.task:
+                raise ConfigError(f"bad override {text!r}: the task is chosen once, for the whole submission")
+            continue
+        _apply(out, key, value, "the command line", text.partition("=")[2].strip())
+    return out
+
+
+def resolve(cfg: Config, task: type | None = None) -> Config:
+    """``cfg`` with its task imported (``task``: a Task class given from Python instead) and its task sections
+    checked by the task's own ``Config``: the step that runs the task's code, for training and a real
+    ``submit``. ``cfg`` itself when it is resolved already."""
+    if cfg.resolved:
+        return cfg
+    return _filled(cfg, _new(task if task is not None else cfg.task, cfg.task_config.task_where))
+
+
+def checked_with(cfg: Config, task_config: type) -> Config:
+    """``cfg``'s unchecked task sections checked by ``task_config`` (the Config dataclass of the same task,
+    imported already by whoever holds it): a saved config compared with a live one imports nothing."""
+    if cfg.resolved:
+        return cfg
+    return _filled(cfg, Config(task=cfg.task, task_config=task_config()))
+
+
+def _filled(cfg: Config, fresh: Config) -> Config:
+    """``fresh`` (a resolved config's defaults) with ``cfg``'s runtime sections and its task keys, each checked."""
+    for name in RUNTIME_SECTIONS:
+        setattr(fresh, name, copy.deepcopy(getattr(cfg, name)))
+    for key, given in cfg.task_config.values.items():
+        _apply(fresh, key, given.value, given.where, given.text)
+    return fresh
+
+
+def value_of(key: str, text: str) -> Any:
+    """What ``text``, typed on a command line, means for the runtime key ``key`` (``"slurm.nodes", "4"`` -> 4),
+    by the rule every file and override follows (a string key takes the text as typed): ConfigError
+    "expected ..., got ..." (or the check's own reason) when it does not fit. ``submit``'s resource flags are read with it."""
     section, _, name = key.partition(".")
-    target = cfg.sections().get(section)
-    tp = _field_types(target).get(_keys(target).get(name, "")) if target is not None else None
-    return tp is str or (typing.get_origin(tp) is not Literal and str in typing.get_args(tp))
-
-
-def dump(cfg: Config, path: Path) -> None:
-    """Write the resolved config as YAML, atomically and durably (exclusive temporary file, fsync, rename,
-    fsync of the directory: a reader, or a relaunch after a crash, never sees half a file), never
-    through a symlink (``safefs.write_atomic``)."""
-    import yaml
-
-    from ddp_slurm import safefs
-
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode()
-    safefs.write_atomic(Path(path), lambda f: f.write(text), cfg.run.shared)
+    target = _type_hints(Config)[section]()
+    name = _keys(target)[name]
+    value: Any = text
+    if not _wants_text(_field_types(target)[name]):
+        value = parse_override(f"{key}={text}")[1]
+    try:
+        return _typed(target, name, value)
+    except _Unfit as bad:
+        raise ConfigError(bad.why or f"expected {bad.expected}, got {_show(bad.got)}") from None
 
 
 def read_resolved(path: Path) -> Config:
-    """Read a run directory's ``config.yaml`` back; a damaged one (empty, not a mapping, a directory,
-    invalid values) is one ConfigError line naming it and the way out."""
+    """A run directory's ``config.yaml`` read back as a Config: its runtime keys checked, its task sections as
+    written (the task is never imported: ``Config.resolved`` is False). A damaged file (empty, not a mapping, a
+    directory, invalid values) is one ConfigError line naming it and the way out."""
+    data = read_saved(path)
     try:
-        data = parse_yaml_file(path)
-        if not isinstance(data, Mapping) or not data:
-            raise ConfigError(f"{path}: expected the mapping of sections this program writes, got {_show(data)}")
-        return from_dict(data, str(path))
+        return from_dict(data, str(path), resolve=False)
     except ConfigError as exc:
-        raise ConfigError(
-            f"the run directory's config is damaged ({exc}); move the run directory away or choose another run.name"
-        ) from None
+        raise damaged(exc) from None
 
 
 def check_world_size(cfg: Config, world: int, how: str = "") -> None:

@@ -1,9 +1,15 @@
 """The config's schema: every section as a dataclass, and each key declared once, on its field.
 
 A field carries its type, its default, its docstring (the printed reference, ``doc.py``) and, through
-``checked``, its value check, whether it may change between the launches of one run and its YAML key.
-A section whose every key may change says so once (``RESUMABLE``). Other modules of the package read
-these declarations: ``loading`` (files, overrides, checks), ``resume`` (what a relaunch may change).
+``checked``, its value check, whether it may change between the launches of one run, its YAML key and
+(``slurm`` only) its ``submit`` flags. A section whose every key may change says so once (``RESUMABLE``).
+Other modules of the package read these declarations: ``loading`` (files, overrides, checks),
+``relaunch`` (what a relaunch may change), ``launch/flags.py`` (``submit``'s resource flags).
+
+A config's task sections are checked only once its task is imported (``Config.resolved``): reading a
+run (``report``, a dry run, resume's checks, a checkpoint's embedded config) keeps them as given
+(``Unchecked``), because importing runs the Python file the config names, which a co-tenant may have
+written together with the config.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from ddp_slurm import errors, slurm_time, taskref
+from ddp_slurm.config.unchecked import Unchecked
 from ddp_slurm.runpaths import RunPaths
 
 
@@ -36,6 +43,12 @@ def _slurm_word(v: str | None) -> bool:
     return v is None or bool(SLURM_WORD.fullmatch(v))
 
 
+def _slurm_time(v: str) -> bool:
+    """True, or ValueError saying what is wrong (``'0' is no time at all``): a flag's message says why."""
+    slurm_time.minutes(v)
+    return True
+
+
 def _size(v: str) -> bool:
     """A memory size as sbatch's ``--mem`` takes it: ``64G``, ``512M``, ``1T``."""
     return bool(re.fullmatch(r"\d+[KMGT]?B?", v, re.I))
@@ -49,8 +62,10 @@ def checked(
     resumable: bool = False,
     key: str | None = None,
     default_factory: Any = dataclasses.MISSING,
+    flags: tuple[str, ...] | None = None,
 ) -> Any:
-    """A config field, declared once: its value check (``check(value)`` true, else "expected ..."), whether it
+    """A config field, declared once: its value check (``check(value)`` true, else "expected ..."; a check may
+    raise ValueError saying why, which ``submit``'s flag for the key shows instead), whether it
     may change between the launches of one run (``resumable``), and its YAML key where the field's name
     cannot be it (``key``: ``checkpoint.async`` is the field ``async_save``)::
 
@@ -58,12 +73,15 @@ def checked(
     root: str = checked("data", resumable=True)
 
     A section whose every key may change between launches says so once: ``RESUMABLE: ClassVar[bool] = True``.
+    ``flags``: a ``slurm`` key's ``submit`` options where they are not ``--<name-with-dashes>`` (``()``: none).
     """
     meta: dict[str, Any] = {"check": (check, expected)} if check else {}
     if resumable:
         meta["resumable"] = True
     if key:
         meta["key"] = key
+    if flags is not None:
+        meta["flags"] = flags
     return field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -179,11 +197,16 @@ class DistConfig:
 class SlurmConfig:
     RESUMABLE: ClassVar[bool] = True  # how a run is saved, placed or logged, not what it computes
 
-    nodes: int = checked(1, check=lambda v: v >= 1, expected="an integer >= 1")
+    nodes: int = checked(1, check=lambda v: v >= 1, expected="an integer >= 1", flags=("-N", "--nodes"))
     """Nodes ``submit`` asks for."""
     gpus_per_node: int = checked(0, check=lambda v: v >= 0, expected="an integer >= 0")
     """GPUs per node ``submit`` asks for (0: a CPU job)."""
-    tasks_per_node: int | None = checked(None, check=lambda v: v is None or v >= 1, expected="null or an integer >= 1")
+    tasks_per_node: int | None = checked(
+        None,
+        check=lambda v: v is None or v >= 1,
+        expected="null or an integer >= 1",
+        flags=("--tasks-per-node", "--ntasks-per-node"),  # sbatch's spelling too
+    )
     """Ranks per node (null: one per GPU, 1 without GPUs)."""
     cpus_per_task: int = checked(2, check=lambda v: v >= 1, expected="an integer >= 1")
     """CPU cores per rank; torch uses this many threads."""
@@ -201,7 +224,7 @@ class SlurmConfig:
         expected="null or a Slurm constraint (letters, digits and . _ , : | & ! * ( ) [ ] -)",
     )
     """Node feature constraint (null: none)."""
-    time: str = checked("01:00:00", check=slurm_time.is_valid, expected=f"a Slurm time ({slurm_time.FORMATS})")
+    time: str = checked("01:00:00", check=_slurm_time, expected=f"a Slurm time ({slurm_time.FORMATS})")
     """Time limit in Slurm's syntax: ``MM``, ``HH:MM:SS``, ``D-HH:MM``, ... (``time_min=N`` still means N minutes)."""
     mem: str | None = checked(None, check=lambda v: v is None or _size(v), expected="null or a size like 64G")
     """Memory per node, as sbatch's ``--mem`` (``64G``; null: the cluster's default)."""
@@ -212,12 +235,15 @@ class SlurmConfig:
     signal: Literal["USR1", "USR2", "TERM", "INT", "HUP", "URG"] = "USR2"
     """Signal that means "checkpoint, requeue and stop" (Slurm's ``--signal``); SIGTERM always stops too."""
     signal_delay_s: int = checked(
-        120, check=lambda v: 0 <= v <= 10**7, expected="an integer from 0 to 10000000 (seconds)"
+        120,
+        check=lambda v: 0 <= v <= 10**7,
+        expected="an integer from 0 to 10000000 (seconds)",
+        flags=("--signal-delay",),
     )
     """Seconds before the time limit at which Slurm sends ``signal``."""
-    requeue: bool = True
+    requeue: bool = checked(True, flags=())  # on by default: a flag could not turn it off
     """On ``signal`` inside a Slurm job, rank 0 requeues the job after the checkpoint is on disk."""
-    requeue_mode: Literal["auto", "requeue", "chain"] = "auto"
+    requeue_mode: Literal["auto", "requeue", "chain"] = checked("auto", flags=())  # submit jobs never chain
     """How a stopped job continues: ``requeue`` (``scontrol requeue``), ``chain`` (a successor job with
     ``--dependency=afterany`` on this one, for sites that forbid requeueing), ``auto`` (requeue, and chain
     when Slurm refuses it). sbatch-script jobs only chain; ``submit`` jobs are resubmitted by hand."""
@@ -243,7 +269,7 @@ class LogConfig:
     """Also write ``<run dir>/csv/train.csv``, ``eval.csv`` and ``events.csv``."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -254,18 +280,34 @@ class Config:
     task: str = taskref.DEFAULT
     """Which task trains: ``package.module:Name`` or ``path/to/file.py:Name`` (unset: built-in MNIST)."""
     task_config: Any = None
-    """The task's own sections (an instance of its ``Config``); None: the task's defaults."""
+    """The task's own sections: an instance of its ``Config`` (the task imported), or ``Unchecked`` (the
+    sections as given, the task not imported: a config read from a run); None: the task's defaults."""
 
     def __post_init__(self) -> None:
-        if self.task_config is None:
+        if self.task_config is None:  # asked for by the caller, in Python: the task's defaults need the task
             self.task_config = task_class(self.task).Config()
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the task was imported and its sections checked (``config.resolve``)."""
+        return not isinstance(self.task_config, Unchecked)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: the task's sections read like the runtime's (cfg.data.root).
         task_config = self.__dict__.get("task_config")
-        if task_config is not None and name in _keys(task_config):
+        if isinstance(task_config, Unchecked):
+            found = task_config.section(name)
+            if found is not None:
+                return found
+        elif task_config is not None and name in _keys(task_config):
             return getattr(task_config, name)
         raise AttributeError(f"config has no section {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        """The same keys and values (a config read back from its YAML equals the one written)."""
+        return self.to_dict() == other.to_dict() if isinstance(other, Config) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  (mutable, compared by value)
 
     @property
     def run_dir(self) -> Path:
@@ -279,16 +321,20 @@ class Config:
         return RunPaths(self.run_dir, self.run.shared)
 
     def sections(self) -> dict[str, Any]:
-        """Every section by name: the runtime's, then the task's."""
+        """Every checked section by name: the runtime's, then the task's (none while it is ``Unchecked``)."""
         own = {name: getattr(self, name) for name in RUNTIME_SECTIONS}
+        if not self.resolved:
+            return own
         return own | {name: getattr(self.task_config, name) for name in _keys(self.task_config)}
 
     def to_dict(self) -> dict[str, Any]:
-        """``task`` and sections of ``{key: value}``, keyed as in YAML (``checkpoint.async``, not ``async_save``)."""
-        return {"task": self.task} | {
+        """``task`` and sections of ``{key: value}``, keyed as in YAML (``checkpoint.async``, not ``async_save``);
+        an unresolved config's task sections as given."""
+        out = {"task": self.task} | {
             name: {_key(f): getattr(sec, f.name) for f in dataclasses.fields(sec)}
             for name, sec in self.sections().items()
         }
+        return out if self.resolved else out | self.task_config.sections()
 
 
 def _keys(obj: Any) -> dict[str, str]:

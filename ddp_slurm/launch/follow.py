@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ddp_slurm import safefs
-from ddp_slurm.distributed.slurm import ENDED_STATES
 from ddp_slurm.exitcodes import EXIT_STOPPED
 from ddp_slurm.launch.sweep import summarize
+from ddp_slurm.slurmjob.slurm import ENDED_STATES
 from ddp_slurm.tools import tracked
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,10 @@
 """What ``python -m ddp_slurm.submit`` submits, and how: the checked plan, submitit's executor, the script.
 
 ``make_plan`` loads and checks every run's config before anything touches the disk or the queue
-(bad options: ``UsageError``/``ConfigError``, exit 2). ``executor_parameters`` is the one place that
+(bad options: ``UsageError``/``ConfigError``, exit 2). The config is read once; each run's config is
+derived from it (``config.with_overrides``). Its task is imported once, for a real submission only
+(its keys checked before the job queues); a dry run imports none, and an existing run directory's
+config.yaml is compared with ``config.changes_from``, which never imports the task it names. ``executor_parameters`` is the one place that
 turns the config's ``slurm`` section into submitit parameters; both the real submission (an
 ``AutoExecutor``) and ``--dry-run`` (``sbatch_script``, submitit's own text without submitting) use it.
 """
@@ -18,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm import config, slurm_time
+from ddp_slurm import config, safefs, slurm_time
 from ddp_slurm.config import Config
-from ddp_slurm.distributed import badnodes
 from ddp_slurm.distributed.env import free_port
 from ddp_slurm.errors import UsageError  # bad options: one line, exit 2, nothing submitted
-from ddp_slurm.launch import sweep
+from ddp_slurm.launch import flags, sweep
 from ddp_slurm.launch.job import TrainJob
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.slurmjob import badnodes
 from ddp_slurm.train import runname
 
 
@@ -39,25 +42,6 @@ def script_safe(what: str, text: str, fix: str) -> str:
     return text
 
 
-# Options that are config keys: flag attribute -> dotted key.
-FLAG_KEYS = {
-    "nodes": "slurm.nodes",
-    "gpus_per_node": "slurm.gpus_per_node",
-    "tasks_per_node": "slurm.tasks_per_node",
-    "cpus_per_task": "slurm.cpus_per_task",
-    "partition": "slurm.partition",
-    "account": "slurm.account",
-    "qos": "slurm.qos",
-    "constraint": "slurm.constraint",
-    "time": "slurm.time",
-    "mem": "slurm.mem",
-    "mem_per_gpu": "slurm.mem_per_gpu",
-    "exclusive": "slurm.exclusive",
-    "signal_delay": "slurm.signal_delay_s",
-    "name": "run.name",
-}
-
-
 @dataclass
 class PlannedRun:
     """One run to submit: its directory and the arguments of ``ddp_slurm.train`` that train it."""
@@ -65,6 +49,7 @@ class PlannedRun:
     name: str
     run_dir: Path
     argv: list[str]
+    cfg: Config  # what the ranks will resolve from ``argv`` (the task unchecked in a dry run)
     point: tuple[str, ...] = ()  # the sweep's overrides for this run
 
 
@@ -77,6 +62,7 @@ class Plan:
     sweep: bool
     sbatch: dict[str, Any] = field(default_factory=dict)  # --sbatch KEY=VALUE: more sbatch options
     setup: list[str] = field(default_factory=list)  # --setup LINE: shell lines before srun
+    exclude: list[str] = field(default_factory=list)  # hosts the run lost a rank on (slurmjob/badnodes.py)
 
     @property
     def folder(self) -> Path:
@@ -90,13 +76,13 @@ def _quoted(key: str, value: Any) -> str:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Load and check every config, decide directories; raises ConfigError/UsageError. Touches no file."""
     cfg_path = Path(os.path.abspath(args.config)) if args.config else None
-    base = list(args.overrides) + [
-        _quoted(k, getattr(args, a)) for a, k in FLAG_KEYS.items() if getattr(args, a) is not None
-    ]
-    cfg = config.load(cfg_path, base)
+    base = list(args.overrides) + flags.overrides(args)
+    if args.name is not None:
+        base.append(_quoted("run.name", args.name))
+    cfg = config.load(cfg_path, base, resolve=False)  # the one read of the config
     if cfg.run.name is None:  # named now: every requeue and resubmission of the job finds it again
         base.append(_quoted("run.name", runname.new_name(cfg)))
-        cfg = config.load(cfg_path, base)
+        cfg = config.with_overrides(cfg, base[-1:])
     tasks = cfg.slurm.tasks_per_node or cfg.slurm.gpus_per_node or 1
     if args.cluster != "slurm" and cfg.slurm.nodes > 1:
         raise UsageError(
@@ -113,35 +99,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         script_safe(what, text, "run from a directory without them")
     for line in getattr(args, "setup", None) or []:
         script_safe("--setup", line, "give each shell line as its own --setup")
+    if not args.dry_run:  # the user's own task, imported once: its keys are checked before the job queues
+        cfg = config.resolve(cfg)
     head = ["--config", str(cfg_path)] if cfg_path else []
-    if args.sweep:
-        if RunPaths(root).config.exists():
-            raise UsageError(f"{root} is a run directory, not a sweep: choose another --name for the sweep")
-        points = sweep.points(args.sweep)
-        for key in (o.partition("=")[0] for o in points[0].overrides):
-            if key.startswith(("slurm.", "run.")):
-                raise UsageError(
-                    f"--sweep cannot vary {key}: the runs of one job array share slurm.* resources "
-                    "and each gets its own run.name"
-                )
-        runs = [
-            PlannedRun(
-                p.name,
-                root / p.name,
-                head + base + list(p.overrides) + [_quoted("run.output_root", str(root)), _quoted("run.name", p.name)],
-                p.overrides,
-            )
-            for p in points
-        ]
-    else:
-        runs = [PlannedRun(cfg.run.name, root, head + base + [_quoted("run.output_root", str(root.parent))])]
+    runs = _runs(args, cfg, root, head, base)
     world = cfg.slurm.nodes * tasks
     for run in runs:
-        run_cfg = config.load(cfg_path, run.argv[len(head) :])
-        config.check_world_size(run_cfg, world, f" ({cfg.slurm.nodes} node(s) x {tasks} task(s))")
+        config.check_world_size(run.cfg, world, f" ({cfg.slurm.nodes} node(s) x {tasks} task(s))")
         saved = RunPaths(run.run_dir).config
-        if saved.exists():
-            diffs = config.incompatible_changes(config.read_resolved(saved), run_cfg)
+        if os.path.lexists(saved):
+            diffs = _changes(saved, run.cfg)
             if diffs:
                 raise UsageError(
                     f"run directory {run.run_dir} holds a run with another config ({'; '.join(diffs)}): "
@@ -161,31 +128,48 @@ def make_plan(args: argparse.Namespace) -> Plan:
             "or raise --time"
         )
     extra = parse_sbatch_options(getattr(args, "sbatch", None) or [])
-    return Plan(cfg, tasks, runs, root, bool(args.sweep), extra, list(getattr(args, "setup", None) or []))
+    setup = list(getattr(args, "setup", None) or [])
+    return Plan(cfg, tasks, runs, root, bool(args.sweep), extra, setup, [] if args.sweep else _lost(root))
 
 
-# sbatch options that submit sets itself from the config: --sbatch may not say them a second time.
-OWN_OPTIONS = {
-    "nodes": "--nodes",
-    "ntasks_per_node": "--ntasks-per-node",
-    "cpus_per_task": "--cpus-per-task",
-    "gpus_per_node": "--gpus-per-node",
-    "time": "--time",
-    "partition": "--partition",
-    "account": "--account",
-    "qos": "--qos",
-    "constraint": "--constraint",
-    "mem": "--mem",
-    "mem_per_gpu": "--mem-per-gpu",
-    "exclusive": "--exclusive",
-    "signal": "slurm.signal and --signal-delay",
-    "requeue": "slurm.requeue",
-    "no_requeue": "slurm.requeue",
-    "job_name": "--name",
-    "output": "the run directory's submitit/ folder",
-    "error": "the run directory's submitit/ folder",
-    "array": "--sweep",
-}
+def _runs(args: argparse.Namespace, cfg: Config, root: Path, head: list[str], base: list[str]) -> list[PlannedRun]:
+    """The runs to submit: one, or one per point of the sweep, each with its arguments and its config."""
+    if not args.sweep:
+        where = [_quoted("run.output_root", str(root.parent))]
+        return [PlannedRun(cfg.run.name, root, head + base + where, config.with_overrides(cfg, where))]
+    if os.path.lexists(RunPaths(root).config):
+        raise UsageError(f"{root} is a run directory, not a sweep: choose another --name for the sweep")
+    points = sweep.points(args.sweep)
+    for key in (o.partition("=")[0] for o in points[0].overrides):
+        if key.startswith(("slurm.", "run.")):
+            raise UsageError(
+                f"--sweep cannot vary {key}: the runs of one job array share slurm.* resources "
+                "and each gets its own run.name"
+            )
+    runs = []
+    for p in points:
+        own = list(p.overrides) + [_quoted("run.output_root", str(root)), _quoted("run.name", p.name)]
+        runs.append(PlannedRun(p.name, root / p.name, head + base + own, config.with_overrides(cfg, own), p.overrides))
+    return runs
+
+
+def _changes(saved: Path, run_cfg: Config) -> list[str]:
+    """What differs between a run directory's config.yaml and the config submitted for it, importing nothing
+    it names; a damaged file is one line."""
+    data = config.read_saved(saved)
+    try:
+        return config.changes_from(data, run_cfg, str(saved))
+    except config.ConfigError as exc:
+        raise config.damaged(exc) from None
+
+
+def _lost(run_dir: Path) -> list[str]:
+    """The hosts a run lost a rank on, to be excluded from its resubmission; UsageError for a lost_nodes that
+    is not a file this program wrote (nothing from it may reach sbatch)."""
+    try:
+        return badnodes.excluded(run_dir)
+    except (safefs.UnsafePath, OSError) as exc:
+        raise UsageError(f"cannot read the nodes this run lost: {exc}") from None
 
 
 def parse_sbatch_options(items: list[str]) -> dict[str, Any]:
@@ -198,8 +182,10 @@ def parse_sbatch_options(items: list[str]) -> dict[str, Any]:
         name = key.strip().replace("-", "_")
         if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
             raise UsageError(f"--sbatch {item!r}: expected KEY=VALUE with an sbatch long option, e.g. mail-type=END")
-        if name in OWN_OPTIONS:
-            raise UsageError(f"--sbatch {item!r}: submit sets --{key.strip()} itself; use {OWN_OPTIONS[name]} instead")
+        if name in flags.OWN_OPTIONS:
+            raise UsageError(
+                f"--sbatch {item!r}: submit sets --{key.strip()} itself; use {flags.OWN_OPTIONS[name]} instead"
+            )
         if sep and not value:
             raise UsageError(f"--sbatch {item!r}: no value after '='; write {key}=VALUE, or {key} for a flag")
         out[name] = value if sep else True
@@ -226,9 +212,8 @@ def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     # The signal is named explicitly (submitit would write its own USR_SIG); requeue is what lets
     # `scontrol requeue` and a preempting Slurm put the job back in the queue.
     extra = {**plan.sbatch, "signal": f"{s.signal}@{s.signal_delay_s}", "requeue" if s.requeue else "no_requeue": True}
-    lost = [] if plan.sweep else badnodes.excluded(plan.runs[0].run_dir)
-    if lost:  # nodes this run lost a rank on (distributed/badnodes.py): a resubmission does not ask for them again
-        extra["exclude"] = ",".join(filter(None, [str(plan.sbatch.get("exclude") or ""), *lost]))
+    if plan.exclude:  # nodes this run lost a rank on (slurmjob/badnodes.py): a resubmission does not ask for them again
+        extra["exclude"] = ",".join(filter(None, [str(plan.sbatch.get("exclude") or ""), *plan.exclude]))
     specific = {
         "partition": s.partition,
         "account": s.account,

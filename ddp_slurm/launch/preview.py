@@ -20,8 +20,6 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
-from ddp_slurm import config
-
 if TYPE_CHECKING:
     from ddp_slurm.launch.plan import Plan
 
@@ -85,11 +83,14 @@ def summary(plan: Plan) -> str:
         lines.append(f"each rank runs (run directory {run.run_dir}):")
         lines.append("  python -m ddp_slurm.train " + " ".join(run.argv))
     if not plan.sweep:
-        argv = plan.runs[0].argv
-        path, overrides = (argv[1], argv[2:]) if argv[:1] == ["--config"] else (None, argv)
-        resolved = config.load(path, overrides)  # what the ranks will resolve: the run directory's config.yaml
+        cfg = plan.runs[0].cfg  # what the ranks will resolve: the run directory's config.yaml
         lines.append("config (written to the run directory's config.yaml):")
-        lines += ["  " + line for line in yaml.safe_dump(resolved.to_dict(), sort_keys=False).splitlines()]
+        lines += ["  " + line for line in yaml.safe_dump(cfg.to_dict(), sort_keys=False).splitlines()]
+        if not cfg.resolved:
+            lines.append(
+                f"  (the task's own sections as given, not checked: a dry run imports no task; the job imports "
+                f"{cfg.task} and fills in its defaults)"
+            )
     lines.append("the sbatch script (on stdout; submitit starts the ranks from a pickle of the command above):")
     return "".join(f"# {line}\n" for line in lines)
 

@@ -5,7 +5,10 @@ codes), submitted from Python with a submitit ``AutoExecutor``: one ``srun`` tas
 or ``--cluster local`` (N processes on this machine) / ``--cluster debug`` (in this process).
 
 Options default to the config's ``slurm`` section and, when given, become config overrides
-(``--nodes 4`` is ``slurm.nodes=4``), so the run directory's config.yaml records what was asked.
+(``--nodes 4`` is ``slurm.nodes=4``), so the run directory's config.yaml records what was asked; they
+are made from that section's fields (``flags.py``). The config is read once (``plan.make_plan``); the
+task it names is imported only to submit (its keys checked before the job queues), never for
+``--dry-run`` or ``--summary``, and never the task a run directory's config.yaml names.
 The job asks for ``--signal=<slurm.signal>@<signal_delay_s>`` and ``--requeue``; training's own
 signal handling stops every rank at the same step, checkpoints, and rank 0 requeues the job once
 (see ``submit_job``). ``--sweep KEY=V1,V2`` submits a job array, one run per value (see ``sweep``).
@@ -24,13 +27,14 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ddp_slurm import safefs, slurm_time
+from ddp_slurm import safefs
 from ddp_slurm.config import ConfigError
 from ddp_slurm.exitcodes import EXIT_USAGE
-from ddp_slurm.launch import preview, sweep
+from ddp_slurm.launch import flags, preview, sweep
 from ddp_slurm.launch.follow import STOPPED_MESSAGE, LogTail, Outcome, finished_message, outcome, report, wait_for
 from ddp_slurm.launch.job import EXIT_STOPPED, TrainingFailed
 from ddp_slurm.launch.plan import Plan, UsageError, make_plan, sbatch_script, submit
+from ddp_slurm.tools import sweeps
 
 PROG = "python -m ddp_slurm.submit"
 
@@ -40,27 +44,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _slurm_time(text: str) -> str:
-    try:
-        slurm_time.minutes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -68,32 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Defaults come from the config's slurm section; KEY=VALUE overrides are dotted config keys.",
     )
     res = p.add_argument_group("resources (default: the config's slurm section)")
-    res.add_argument("-N", "--nodes", type=_at_least(1), metavar="N")
-    res.add_argument("--gpus-per-node", type=_at_least(0), metavar="N")
-    res.add_argument(
-        "--tasks-per-node",
-        "--ntasks-per-node",
-        type=_at_least(1),
-        metavar="N",
-        help="ranks per node (default: one per GPU, 1 without)",
-    )
-    res.add_argument("--cpus-per-task", type=_at_least(1), metavar="N")
-    res.add_argument("--partition")
-    res.add_argument("--account")
-    res.add_argument("--qos")
-    res.add_argument("--constraint")
-    res.add_argument(
-        "--time", type=_slurm_time, metavar="TIME", help="time limit in Slurm's syntax: MM, HH:MM:SS, D-HH:MM, ..."
-    )
-    res.add_argument("--mem", metavar="SIZE", help="memory per node, e.g. 64G")
-    res.add_argument("--mem-per-gpu", metavar="SIZE", help="memory per GPU, e.g. 16G")
-    res.add_argument("--exclusive", action="store_const", const=True, help="whole nodes, shared with no other job")
-    res.add_argument(
-        "--signal-delay",
-        type=_at_least(0),
-        metavar="S",
-        help="seconds before the time limit at which Slurm sends the stop signal",
-    )
+    flags.add_to(res)  # one per slurm.* key, from the config's own fields (launch/flags.py)
     res.add_argument(
         "--sbatch",
         action="append",
@@ -225,12 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if plan.sweep:
         ids = [str(j.job_id) for j in jobs]
-        sweep.write_manifest(
-            plan.root,
-            ids[0].split("_")[0] if args.cluster == "slurm" else ",".join(ids),
-            [sweep.Point(r.name, r.point) for r in plan.runs],
-            list(args.overrides),
-        )
+        job_id = ids[0].split("_")[0] if args.cluster == "slurm" else ",".join(ids)
+        points = [sweep.Point(r.name, r.point) for r in plan.runs]
+        sweeps.write(plan.root, sweep.manifest(job_id, points, list(args.overrides)), plan.cfg.run.shared)
     describe(plan, jobs, args.cluster)
     if not (args.wait or args.cluster == "debug"):
         return 0

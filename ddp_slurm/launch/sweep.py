@@ -1,7 +1,7 @@
 """Sweeps for ``python -m ddp_slurm.submit --sweep KEY=V1,V2,...``: their points, names and summary.
 
-A sweep named ``NAME`` lives in ``<output_root>/NAME/``: ``sweep.json`` (what was submitted), the
-submitit logs under ``submitit/`` and one ordinary run directory per point, named after the swept
+A sweep named ``NAME`` lives in ``<output_root>/NAME/``: ``sweep.json`` (what was submitted:
+``tools/sweeps.py`` writes and reads it), the submitit logs under ``submitit/`` and one ordinary run directory per point, named after the swept
 values (``lr=1e-3``; several ``--sweep`` flags make a grid: ``lr=1e-3,global_batch_size=256``).
 Each point is a complete run: it resumes, requeues and reports like any other.
 
@@ -12,7 +12,6 @@ side by side; ``python -m ddp_slurm.submit --summary DIR`` prints it for a sweep
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -22,10 +21,8 @@ from typing import Any
 from ddp_slurm import text
 from ddp_slurm.config import ConfigError
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.tools import tracked
+from ddp_slurm.tools import sweeps, tracked
 from ddp_slurm.train import metrics
-
-SWEEP_FILE = "sweep.json"
 
 
 @dataclass(frozen=True)
@@ -73,17 +70,10 @@ def points(specs: Iterable[str]) -> list[Point]:
     return out
 
 
-def write_manifest(sweep_dir: Path, job_id: str, pts: list[Point], base_overrides: list[str]) -> None:
-    """``sweep.json``: the job and, per array task, the run it trains (read back by ``--summary``)."""
-    data = {
-        "job_id": job_id,
-        "overrides": base_overrides,
-        "runs": [{"task": i, "name": p.name, "overrides": list(p.overrides)} for i, p in enumerate(pts)],
-    }
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    tmp = sweep_dir / (SWEEP_FILE + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(sweep_dir / SWEEP_FILE)
+def manifest(job_id: str, pts: list[Point], base_overrides: list[str]) -> sweeps.Manifest:
+    """What ``sweep.json`` records: the job and, per array task, the run it trains."""
+    runs = tuple(sweeps.Entry(i, p.name, p.overrides) for i, p in enumerate(pts))
+    return sweeps.Manifest(job_id, tuple(base_overrides), runs)
 
 
 @dataclass
@@ -111,7 +101,7 @@ def summarize(run_dir: Path, name: str | None = None) -> RunSummary:
     run_dir = Path(run_dir)
     out = RunSummary(name or run_dir.name, str(run_dir), "pending")
     path = RunPaths(run_dir).metrics
-    if not path.exists():
+    if not path.is_file() or path.is_symlink():  # none yet; or planted (a FIFO would block, /dev/zero never end)
         return out
     starts: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
@@ -167,19 +157,18 @@ def format_table(rows: list[RunSummary], columns: dict[str, list[str]] | None = 
 
 
 def summary_text(path: Path) -> str:
-    """The table for a sweep directory (with ``sweep.json``) or a single run directory."""
+    """The table for a sweep directory (with ``sweep.json``) or a single run directory. A damaged manifest:
+    UsageError (one line)."""
     path = Path(path)
-    manifest = path / SWEEP_FILE
-    if manifest.is_file():
-        data = json.loads(manifest.read_text())
-        runs = data["runs"]
-        keys = [o.partition("=")[0] for o in runs[0]["overrides"]] if runs else []
-        columns = {k: [r["overrides"][i].partition("=")[2] for r in runs] for i, k in enumerate(keys)}
-        rows = [summarize(path / r["name"], r["name"]) for r in runs]
+    found = sweeps.read(path)
+    if found is not None:
+        keys = sweeps.swept_keys(found)
+        columns = {k: [r.overrides[i].partition("=")[2] for r in found.runs] for i, k in enumerate(keys)}
+        rows = [summarize(path / r.name, r.name) for r in found.runs]
         order = ranked(rows)
         rows = [rows[i] for i in order]
         columns = {k: [vals[i] for i in order] for k, vals in columns.items()}
-        head = f"sweep {path} (job {data['job_id']}, {len(rows)} runs)"
+        head = f"sweep {path} (job {found.job_id}, {len(rows)} runs)"
         metric = next((r for r in rows if r.metric), None)
         if metric is not None:
             way = "lower" if not metric.higher_is_better else "higher"
@@ -187,4 +176,6 @@ def summary_text(path: Path) -> str:
         return head + "\n" + format_table(rows, columns)
     if RunPaths(path).is_run():
         return format_table([summarize(path)])
-    raise ConfigError(f"{path} is neither a sweep directory (no {SWEEP_FILE}) nor a run directory (no config.yaml)")
+    raise ConfigError(
+        f"{path} is neither a sweep directory (no {RunPaths(path).sweep.name}) nor a run directory (no config.yaml)"
+    )

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm import config
+from ddp_slurm import config, safefs
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tools import tracked
+
+MAX_METRICS_BYTES = 1 << 30  # a line per logged step: a long run writes tens of MB
 
 
 class ReportError(RuntimeError):
@@ -47,9 +49,9 @@ def read_history(run_dir: Path) -> RunHistory:
     path = RunPaths(run_dir).metrics
     if not path.is_file():
         raise ReportError(f"{path} does not exist: pass a run directory (runs/<run.name>) that has started training")
-    try:
+    try:  # the runtime's keys only: the task the config names is never imported
         batch: int | None = config.read_resolved(RunPaths(run_dir).config).train.global_batch_size
-    except Exception:  # an old or hand-edited config: plot against steps instead of samples
+    except config.ConfigError:  # an old, hand-edited or missing config: plot against steps instead of samples
         batch = None
     run = RunHistory(run_dir, batch)
     train: dict[int, dict[str, Any]] = {}
@@ -109,9 +111,10 @@ _FIELDS: dict[str, tuple[type, ...]] = {
 def _rows(path: Path) -> Iterator[dict[str, Any]]:
     """The rows of ``metrics.jsonl``, each checked: a line that is not a JSON object with the documented
     fields and types is a ReportError naming the line (a half-written last line is skipped)."""
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    try:  # never through a symlink (to /dev/zero, say), never blocked by a FIFO, never without bound
+        lines = (safefs.read_small(path, MAX_METRICS_BYTES) or "").splitlines()
+    except safefs.UnsafePath as exc:
+        raise ReportError(str(exc)) from None
     except OSError as exc:
         raise ReportError(f"{path} cannot be read: {exc.strerror}") from None
     for number, line in enumerate(lines, 1):

@@ -1,5 +1,8 @@
 """``python -m ddp_slurm.report RUN_DIR [RUN_DIR ...]``: plots to ``report.png`` and a short summary.
 
+Reading runs imports nothing they name: a run's ``config.yaml`` is read for its runtime keys only
+(``config.read_resolved``), never for the task file it names, which a co-tenant could have written.
+
 One run directory: its loss, eval metrics, throughput and learning rate in detail (``RUN_DIR/report.png``).
 Several, a sweep directory or a folder of runs: overlaid in one figure. For runs that ran as Slurm
 jobs, one line per job from ``seff`` or ``sacct`` where the cluster keeps accounting.
@@ -14,16 +17,15 @@ The history is read by :mod:`ddp_slurm.tools.history`, the figures drawn by :mod
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
+from ddp_slurm.errors import UsageError
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
-from ddp_slurm.launch import sweep
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.tools import figures, jobacct, tracked
+from ddp_slurm.tools import figures, jobacct, sweeps, tracked
 from ddp_slurm.tools.history import ReportError, RunHistory, eval_metrics, read_history
 
 __all__ = ["ReportError", "RunHistory", "default_output", "eval_metrics", "expand", "main", "read_history", "summary"]
@@ -74,10 +76,9 @@ def expand(paths: list[Path]) -> list[Path]:
         if RunPaths(path).metrics.is_file():
             runs.append(path)
             continue
-        manifest = path / sweep.SWEEP_FILE
-        if manifest.is_file():
-            names = [r["name"] for r in json.loads(manifest.read_text())["runs"]]
-            found = [path / n for n in names if RunPaths(path / n).metrics.is_file()]
+        manifest = sweeps.read(path)  # a damaged one: UsageError, one line
+        if manifest is not None:
+            found = [path / r.name for r in manifest.runs if RunPaths(path / r.name).metrics.is_file()]
         else:
             found = sorted(d for d in path.glob("*/") if RunPaths(d).metrics.is_file()) if path.is_dir() else []
         if not found:
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_dirs = expand(args.paths)
         runs = [read_history(d) for d in run_dirs]
-    except ReportError as exc:
+    except (ReportError, UsageError) as exc:
         print(f"ddp_slurm.report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     out = args.output or default_output(args.paths, run_dirs)

@@ -99,7 +99,8 @@ def train(
 
 
 def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> int:
-    from ddp_slurm.distributed import chain, group, stall, watchdog
+    from ddp_slurm.distributed import group, stall, watchdog
+    from ddp_slurm.slurmjob import chain
     from ddp_slurm.train import logs, loop
 
     try:

@@ -21,10 +21,10 @@ import torch
 
 from ddp_slurm import errors
 from ddp_slurm.config import Config
-from ddp_slurm.distributed import allocation, chain
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
+from ddp_slurm.slurmjob import allocation, chain
 from ddp_slurm.train import determinism, hooks, loggers, logs, rng, rundir, runname, strategy, warmstart
 from ddp_slurm.train.checkpoint import Checkpointer, CheckpointError, fit
 from ddp_slurm.train.evaluation import evaluate

@@ -84,7 +84,7 @@ def take(cfg: Config, lock: RunLock, ckpt: Checkpointer) -> tuple[Path, dict[str
         if saved.exists() and ckpt.has_checkpoints():
             diffs = config.changes_from(config.read_saved(saved), cfg, str(saved))
             if diffs:
-                raise UsageError(config.resume.changed_config(run_dir, diffs))
+                raise UsageError(config.changed_config(run_dir, diffs))
         safefs.make_dir(run_dir, shared)
         if os.path.lexists(cfg.paths.metrics):  # reopened by rank 0 later: a planted one is refused now, in one line
             os.close(safefs.open_owned(cfg.paths.metrics, os.O_WRONLY | os.O_APPEND, shared))

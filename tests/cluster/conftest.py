@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_slurm.distributed.slurm import ENDED_STATES
+from ddp_slurm.slurmjob.slurm import ENDED_STATES
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "cluster"

@@ -18,7 +18,7 @@ def submit(cluster, tmp_path: Path, name: str, sbatch_lines: list[str], check_ar
         "#!/bin/bash\n"
         + "".join(f"#SBATCH {line}\n" for line in sbatch_lines)
         + f"#SBATCH --output={tmp_path}/{name}.out\n\n"
-        + f"{sys.executable} -m ddp_slurm.distributed.allocation {' '.join(check_args)}\n"
+        + f"{sys.executable} -m ddp_slurm.slurmjob.allocation {' '.join(check_args)}\n"
     )
     job = cluster.sbatch([*sbatch_args, str(script)], cwd=tmp_path)
     assert cluster.wait(job, timeout=120) in ("COMPLETED", "FAILED")

@@ -38,8 +38,8 @@ import helpers
 import pytest
 
 from ddp_slurm.bootstrap import expand_hostlist
-from ddp_slurm.distributed import badnodes
-from ddp_slurm.distributed.slurm import ENDED_STATES
+from ddp_slurm.slurmjob import badnodes
+from ddp_slurm.slurmjob.slurm import ENDED_STATES
 from ddp_slurm.train import checkpoint, metrics
 
 pytestmark = pytest.mark.cluster

@@ -39,7 +39,7 @@ import pytest
 
 from ddp_slurm import config
 from ddp_slurm.bootstrap import expand_hostlist
-from ddp_slurm.distributed.slurm import ENDED_STATES
+from ddp_slurm.slurmjob.slurm import ENDED_STATES
 from ddp_slurm.tasks.mnist import data
 from ddp_slurm.train import checkpoint, loader
 

@@ -1,6 +1,6 @@
 """What a Slurm job is, read from ``scontrol show job``, the ``SLURM_*`` variables and its batch script.
 
-Pure functions of the texts they are given (``scontrol`` itself is run by :mod:`ddp_slurm.distributed.allocation`):
+Pure functions of the texts they are given (``scontrol`` itself is run by :mod:`ddp_slurm.slurmjob.allocation`):
 the job's fields, its ``--signal`` and the resources it holds under the config's ``slurm.*`` names.
 """
 

@@ -18,6 +18,12 @@ that name count:
 
 A rank lost to a bug of its own (an exception on one rank) is not a lost rank: the watchdog sees its
 heartbeat end cleanly and says nothing, so no node is blamed for it.
+
+The file lies in a run directory others may reach, and what is read from it goes to ``scontrol`` and
+``sbatch``: it is appended to and read only through ``safefs`` (never through a symlink, never into a
+FIFO, device or another user's file; read back with a bound), and every host name read back must be a
+plain Slurm host name. Anything else is ``safefs.UnsafePath`` naming the file: a surviving rank warns
+and goes on failing, ``submit`` refuses in one line.
 """
 
 from __future__ import annotations
@@ -27,13 +33,17 @@ import re
 import time
 from pathlib import Path
 
-from ddp_slurm.distributed import slurm
+from ddp_slurm import safefs
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.slurmjob import slurm
 
 log = logging.getLogger(__name__)
 
-FILE = "lost_nodes"
 # The watchdog's verdict names each lost rank as "<rank> (host <name>, pid <pid>...": see watchdog._describe.
 _LOST = re.compile(r"(\d+) \(host ([^,;)\s]+)")
+# A Slurm node name as it may go on scontrol's and sbatch's command lines: no whitespace, no shell syntax.
+HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def lost(error: BaseException) -> dict[int, str]:
@@ -41,27 +51,47 @@ def lost(error: BaseException) -> dict[int, str]:
     return {int(rank): host for rank, host in _LOST.findall(str(error)) if host != "unknown"}
 
 
-def record(run_dir: Path, hosts: list[str], job: str | None, restart: int, why: str, rank: int = 0) -> bool:
+def record(
+    run_dir: Path, hosts: list[str], job: str | None, restart: int, why: str, rank: int = 0, shared: bool = False
+) -> bool:
     """Append one line per host to ``<run_dir>/lost_nodes`` (tab-separated: host, job, restart, time, the
     recording rank, why). True when this rank's lines are the first for this job and restart: that rank
-    speaks for the job (several survivors record; one requeues)."""
+    speaks for the job (several survivors record; one requeues). ``shared``: ``run.shared`` (a teammate's
+    file is fine). Raises ``safefs.UnsafePath`` (a symlink, FIFO, foreign or damaged file) or OSError."""
+    path = RunPaths(run_dir).lost_nodes
+    named = [h for h in hosts if HOST.fullmatch(h)]
+    if len(named) < len(hosts):
+        log.warning("not recording %s in %s: not Slurm host names", [h for h in hosts if h not in named], path)
     when = time.strftime("%Y-%m-%dT%H:%M:%S")
-    text = "".join(f"{h}\t{job or '-'}\t{restart}\t{when}\t{rank}\t{why}\n" for h in hosts)
-    path = Path(run_dir) / FILE
-    with open(path, "a") as f:  # O_APPEND: each survivor's few lines land whole
-        f.write(text)
-    ours = [line.split("\t") for line in path.read_text().splitlines()]
+    why = _CONTROL.sub(" ", why)  # one line per host, whatever the verdict holds
+    safefs.append_owned(path, "".join(f"{h}\t{job or '-'}\t{restart}\t{when}\t{rank}\t{why}\n" for h in named), shared)
+    ours = [line.split("\t") for line in _lines(path)]
     first = next((f for f in ours if len(f) > 4 and f[1] == (job or "-") and f[2] == str(restart)), None)
     return first is not None and first[4] == str(rank)
 
 
 def excluded(run_dir: Path) -> list[str]:
-    """The hosts ``<run_dir>/lost_nodes`` names, first loss first, each once."""
-    try:
-        lines = (Path(run_dir) / FILE).read_text().splitlines()
-    except OSError:
-        return []
-    return list(dict.fromkeys(line.split("\t", 1)[0] for line in lines if line.strip()))
+    """The hosts ``<run_dir>/lost_nodes`` names, first loss first, each once ([] without the file). Raises
+    ``safefs.UnsafePath`` when it is not a file this program wrote (a symlink, FIFO, device, too large, a
+    line whose host is not a Slurm host name): nothing from it may reach scontrol or sbatch then."""
+    path = RunPaths(run_dir).lost_nodes
+    hosts = []
+    for number, line in enumerate(_lines(path), 1):
+        if not line.strip():
+            continue
+        host = line.split("\t", 1)[0]
+        if not HOST.fullmatch(host):
+            raise safefs.UnsafePath(
+                f"{path} line {number}: {host[:60]!r} is not a Slurm host name; not a file this program wrote: "
+                "remove it (or that line)"
+            )
+        hosts.append(host)
+    return list(dict.fromkeys(hosts))
+
+
+def _lines(path: Path) -> list[str]:
+    """The file's lines: never through a symlink, never blocked by a FIFO, at most 1 MiB."""
+    return (safefs.read_small(path) or "").splitlines()
 
 
 def exclude_from(job_ref: str, hosts: list[str]) -> bool:

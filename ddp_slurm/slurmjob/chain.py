@@ -12,24 +12,29 @@ write batch_script``), with this job's resources (nodes, tasks, CPUs, GRES, part
 and log file (appended), and the training arguments of this rank plus ``run.output_root``/``run.name``,
 so that it resumes this run directory even when the run was unnamed (``<task>-<job id>`` would be a
 new one). It starts once this job has ended, whatever its state. ``DDP_SLURM_CHAIN`` counts the
-links, capped by ``slurm.max_requeues`` like requeues. Nodes to avoid (``distributed/badnodes.py``) become
-``--exclude``. The project's sbatch scripts pass their arguments on to training, so the successor
+links, capped by ``slurm.max_requeues`` like requeues. Nodes to avoid (``slurmjob/badnodes.py``) become
+``--exclude``. The script is written into ``<run_dir>/chain/`` (``RunPaths.chain_script``), a real
+folder, after whatever a co-tenant planted at its name is removed. The project's sbatch scripts pass their arguments on to training, so the successor
 trains the same run; a job started by ``submit`` (submitit) runs a pickle tied to its job id and is
 not chained (resubmit it with ``submit``).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm.distributed import badnodes, jobinfo, slurm
+from ddp_slurm import safefs
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.slurmjob import badnodes, jobinfo, slurm
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +85,22 @@ def resources(info: dict[str, str]) -> list[str]:
     return opts
 
 
-def successor(job_id: str, run_dir: Path, train_args: list[str], exclude: list[str] = ()) -> str | None:
-    """Submit the job that continues this one once it ends; its id, or None (with a warning) if not."""
+def successor(
+    job_id: str, run_dir: Path, train_args: list[str], exclude: list[str] = (), shared: bool = False
+) -> str | None:
+    """Submit the job that continues this one once it ends; its id, or None (with a warning) if not.
+    ``shared``: ``run.shared`` (the modes of the ``chain/`` folder)."""
     if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
         log.warning("cannot chain a successor of job %s: sbatch/scontrol not found; launch again to resume", job_id)
         return None
     try:
         info = job_info(job_id)
-        folder = Path(run_dir) / "chain"
-        folder.mkdir(exist_ok=True)
-        script = folder / f"{job_id}.sh"
+        paths = RunPaths(run_dir, shared)
+        safefs.make_dir(paths.chain, shared)  # a real folder: a planted symlink there is refused, not followed
+        script = paths.chain_script(job_id)
+        _clear(script)  # scontrol writes wherever the name leads: nothing planted may be there
         ok, said = slurm.scontrol("write", "batch_script", job_id, str(script))
-        if not ok or not script.is_file():
+        if not ok or not _written_by_us(script):
             raise RuntimeError(f"scontrol write batch_script {job_id}: {said.strip() or 'no script written'}")
         opts = [f"--dependency=afterany:{job_id}", "--kill-on-invalid-dep=yes", *resources(info)]
         if exclude:
@@ -104,7 +113,7 @@ def successor(job_id: str, run_dir: Path, train_args: list[str], exclude: list[s
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"sbatch: {(out.stderr or out.stdout).strip()}")
-    except (RuntimeError, OSError, KeyError, subprocess.TimeoutExpired) as exc:
+    except (RuntimeError, OSError, KeyError, subprocess.TimeoutExpired) as exc:  # safefs.UnsafePath among them
         log.warning("could not chain a successor of job %s (%s); launch again to resume", job_id, exc)
         return None
     new = out.stdout.strip().split(";")[0]
@@ -112,10 +121,31 @@ def successor(job_id: str, run_dir: Path, train_args: list[str], exclude: list[s
     return new
 
 
+def _clear(script: Path) -> None:
+    """Remove whatever is at the script's name (a symlink to a victim's file, a FIFO, an empty folder)."""
+    try:
+        os.unlink(script)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EISDIR, errno.EPERM):
+            raise
+        os.rmdir(script)  # a planted folder: removed when empty, else the OSError says why no chain
+
+
+def _written_by_us(script: Path) -> bool:
+    """The script scontrol wrote: a plain file of ours, not something planted between the removal and the write."""
+    try:
+        st = os.lstat(script)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
 def continue_job(cfg: Any, env: Any, exclude: list[str] = ()) -> bool:
     """Rank 0 (or the surviving rank that speaks for the job), once the checkpoint is on disk: make the
     job continue as ``slurm.requeue_mode`` says, avoiding ``exclude``. True when something will continue it."""
-    from ddp_slurm.distributed import slurm
+    from ddp_slurm.slurmjob import slurm
 
     mode = cfg.slurm.requeue_mode
     if mode != "chain":
@@ -134,7 +164,7 @@ def continue_job(cfg: Any, env: Any, exclude: list[str] = ()) -> bool:
         return False
     root = Path(os.path.abspath(cfg.run.output_root))
     args = [*sys.argv[1:], f"run.output_root={root}", f"run.name={cfg.run.name}"]
-    return successor(str(env.job_id), cfg.run_dir, args, list(exclude)) is not None
+    return successor(str(env.job_id), cfg.run_dir, args, list(exclude), cfg.run.shared) is not None
 
 
 def after_peer_lost(cfg: Any, env: Any, error: BaseException) -> None:
@@ -144,11 +174,12 @@ def after_peer_lost(cfg: Any, env: Any, error: BaseException) -> None:
     if not gone or cfg.run.name is None:
         return
     hosts = sorted(set(gone.values()))
+    why = str(error).split(";")[0]
     try:  # every survivor records (the store's host lingers, and the step may end before it gets here)
-        first = badnodes.record(cfg.run_dir, hosts, env.job_id, env.restart_count, str(error).split(";")[0], env.rank)
-    except OSError as exc:
+        first = badnodes.record(cfg.run_dir, hosts, env.job_id, env.restart_count, why, env.rank, cfg.run.shared)
+        all_hosts = badnodes.excluded(cfg.run_dir) or hosts
+    except (OSError, safefs.UnsafePath) as exc:  # a planted or damaged lost_nodes: this rank fails as it would
         log.warning("could not record the lost node(s) %s in %s: %s", ",".join(hosts), cfg.run_dir, exc)
         return
-    all_hosts = badnodes.excluded(cfg.run_dir) or hosts
     if first and env.in_slurm_job and cfg.slurm.requeue and env.restart_count < cfg.slurm.max_requeues:
         continue_job(cfg, env, exclude=all_hosts)  # requeue (or chain) without them

@@ -3,14 +3,21 @@
 A relaunch (a requeue, a resubmission, a second ``python -m ddp_slurm.train`` on the same run
 directory) resumes only when every other key is as the run was started with; the fields and sections
 say which keys those are (``checked(..., resumable=True)``, ``RESUMABLE``), this module applies it.
+
+The saved side (a run directory's config.yaml, a checkpoint's embedded config) is never imported:
+``changes_from`` checks its task sections with the live config's own task class, which training has
+imported already, and only when both name the same task; another task is one difference, unread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm.config.schema import Config, _fields, _keys
+from ddp_slurm.config import loading
+from ddp_slurm.config.files import _show
+from ddp_slurm.config.schema import RUNTIME_SECTIONS, Config, ConfigError, _fields, _keys
 from ddp_slurm.runpaths import RunPaths
 
 
@@ -25,11 +32,28 @@ def _resumable(cfg: Config, key: str) -> bool:
     return bool(getattr(target, "RESUMABLE", False) or (f is not None and f.metadata.get("resumable")))
 
 
+def changes_from(saved: Mapping[str, Any], cfg: Config, where: str) -> list[str]:
+    """The keys of ``saved`` (a config mapping as a run wrote it: a checkpoint's embedded config, or its
+    config.yaml as parsed YAML) whose values differ from the live ``cfg``'s in a way a relaunch cannot take,
+    as ``"key: old -> new"``; importing nothing. Another task is one difference (its sections unread); the
+    same task's sections are checked with ``cfg``'s own task class. An invalid ``saved`` is a one-line
+    ConfigError naming ``where``."""
+    if not isinstance(saved, Mapping) or not saved:
+        raise ConfigError(f"{where}: expected the mapping of sections this program writes, got {_show(saved)}")
+    return incompatible_changes(loading.from_dict(saved, where, resolve=False), cfg)
+
+
 def incompatible_changes(old: Config, new: Config) -> list[str]:
-    """Keys whose values differ in a way that would make a resumed run compute something else."""
+    """Keys whose values differ in a way that would make a resumed run compute something else. ``old`` may be
+    unresolved (read from a run): its task sections are then checked with ``new``'s task class (ConfigError
+    when they do not fit it). Where ``new`` is unresolved too (a dry run), only the runtime's keys compare."""
     if old.task != new.task:
         return [f"task: {old.task!r} -> {new.task!r}"]
+    if new.resolved:
+        old = loading.checked_with(old, type(new.task_config))
     a, b = _flat(old), _flat(new)
+    if not (old.resolved and new.resolved):  # the task's keys are known only through its class
+        a = {k: v for k, v in a.items() if k.partition(".")[0] in RUNTIME_SECTIONS}
     return [f"{k}: {a[k]!r} -> {b.get(k)!r}" for k in a if a[k] != b.get(k) and not _resumable(new, k)]
 
 
