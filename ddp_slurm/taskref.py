@@ -15,11 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm import errors
+
 DEFAULT = "ddp_slurm.tasks.mnist:MNIST"
 """The task that runs when ``task`` is not set."""
 
 
-class TaskError(ValueError):
+class TaskError(errors.UsageError, ValueError):
     """A task path that cannot be used (bad import path, not a Task, a broken Config). One line."""
 
 

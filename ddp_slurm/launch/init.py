@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 
 import ddp_slurm
+from ddp_slurm import errors
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 
 SHIPPED = {"jobs": "*.yaml", "sbatch": "*.sh"}
 
 
-class InitError(RuntimeError):
-    """The files cannot be found or copied; the message is one line."""
+class InitError(errors.UsageError):
+    """The files cannot be found or copied; the message is one line (exit 2)."""
 
 
 def asset_dir(folder: str) -> Path:

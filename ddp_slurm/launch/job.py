@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ddp_slurm import safefs
+from ddp_slurm import errors, safefs
 from ddp_slurm.distributed.env import TORCHRUN_LAYOUT_VARS
 from ddp_slurm.exitcodes import EXIT_STOPPED, exit_now
 from ddp_slurm.train.signals import StopFlag, parse_signal
@@ -51,11 +51,12 @@ def _leave_before_finalizing(outcome: dict[str, int]) -> None:
     exit_now(1 if failed_after and outcome["code"] == 0 else outcome["code"])
 
 
-class TrainingFailed(RuntimeError):
-    """Training exited with a failure code; ``code`` is that exit code."""
+class TrainingFailed(errors.Error):
+    """Training exited with a failure code; ``code`` (and ``exit_code``) is that exit code."""
 
     def __init__(self, code: int, rank: int, reason: str) -> None:
         self.code, self.rank = code, rank
+        self.exit_code = code
         super().__init__(f"training exited {code} on rank {rank} ({_MEANING.get(code, 'failure')}): {reason}")
 
 

@@ -16,14 +16,14 @@ import os
 import sys
 from collections.abc import Mapping
 
-from ddp_slurm.exitcodes import EXIT_USAGE
+from ddp_slurm import errors
 
 # Variables that show a GPU request Slurm does not translate into a per-node count by itself.
 GPU_REQUESTS = ("SLURM_GPUS", "SLURM_GPUS_PER_TASK", "SLURM_TRES_PER_TASK", "SLURM_TRES_PER_NODE", "SLURM_TRES_PER_JOB")
 
 
-class NprocError(ValueError):
-    """The number of processes per node cannot be told; the message (one line) says how to fix it."""
+class NprocError(errors.UsageError, ValueError):
+    """The number of processes per node cannot be told; the message (one line) says how to fix it (exit 2)."""
 
 
 def _count(value: str) -> int | None:
@@ -81,7 +81,7 @@ def main(environ: Mapping[str, str] | None = None) -> int:
         count, source = procs_per_node(os.environ if environ is None else environ)
     except NprocError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.exit_code
     print(f"{count} {source}")
     return 0
 

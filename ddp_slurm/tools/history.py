@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm import config, safefs
+from ddp_slurm import config, errors, safefs
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tools import tracked
 
 MAX_METRICS_BYTES = 1 << 30  # a line per logged step: a long run writes tens of MB
 
 
-class ReportError(RuntimeError):
-    """Nothing to report on (no run directory or no metrics); the message is one line."""
+class ReportError(errors.UsageError):
+    """Nothing to report on (no run directory or no metrics); the message is one line (exit 2)."""
 
 
 @dataclass

@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_dirs = expand(args.paths)
         runs = [read_history(d) for d in run_dirs]
-    except (ReportError, UsageError) as exc:
+    except UsageError as exc:  # ReportError among them
         print(f"ddp_slurm.report: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.exit_code
     out = args.output or default_output(args.paths, run_dirs)
     lines = [summary(run) for run in runs]
     if not args.no_accounting:
