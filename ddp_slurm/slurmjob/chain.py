@@ -113,7 +113,7 @@ def successor(
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"sbatch: {(out.stderr or out.stdout).strip()}")
-    except (RuntimeError, OSError, KeyError, subprocess.TimeoutExpired) as exc:  # safefs.UnsafePath among them
+    except (RuntimeError, OSError, KeyError, subprocess.TimeoutExpired, safefs.UnsafePath) as exc:
         log.warning("could not chain a successor of job %s (%s); launch again to resume", job_id, exc)
         return None
     new = out.stdout.strip().split(";")[0]

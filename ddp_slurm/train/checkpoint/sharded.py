@@ -249,7 +249,9 @@ def finite(model: torch.nn.Module, world_size: int) -> bool:
     """Whether every rank's shards of the weights are finite: one host sync, agreed over the ranks."""
     from ddp_slurm.train.step import all_finite
 
+    device = next(model.parameters()).device  # the training group's device: NCCL reduces CUDA tensors only
     flag = torch.tensor([float(all_finite(p.to_local() for p in model.parameters() if p.is_floating_point()))])
+    flag = flag.to(device)
     if world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
