@@ -428,10 +428,10 @@ MISFITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         "has shape [3]",
     ),
     "another schedule": (_another_schedule, "another schedule's"),
-    "no step_in_epoch": (lambda s: s.pop("step_in_epoch"), "step_in_epoch is missing"),
-    "garbage step_in_epoch": (lambda s: s.update(step_in_epoch="7"), "step_in_epoch is missing or not a count"),
+    "no step_in_epoch": (lambda s: s.pop("step_in_epoch"), "no 'step_in_epoch' in it"),
+    "garbage step_in_epoch": (lambda s: s.update(step_in_epoch="7"), "its step_in_epoch is not a count ('7')"),
     "garbage RNG state": (lambda s: s["rng"][0].update(torch=torch.zeros(3, dtype=torch.uint8)), "RNG streams"),
-    "garbage best": (lambda s: s.update(best="high"), "best metric is not a number"),
+    "garbage best": (lambda s: s.update(best="high"), "its best is not a number or null ('high')"),
 }
 
 

@@ -42,7 +42,7 @@ class BootstrapError(errors.UsageError, ValueError):
     """The environment does not describe a usable distributed layout (exit 2: nothing started)."""
 
 
-class RendezvousError(errors.Error):
+class RendezvousError(errors.Error, RuntimeError):
     """The ranks did not manage to form a process group."""
 
 

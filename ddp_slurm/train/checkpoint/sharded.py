@@ -149,14 +149,21 @@ def commit(partial: Path, final: Path, record: dict[str, Any], world_size: int, 
     files[METADATA] = file_seal(partial / METADATA)
     record = dict(record, format=SHARDED_FORMAT, files=files)
 
-    def write(f: Any) -> None:
-        sink = ckpt_seal.Sink(f)
-        with torch_serialization.patch({"save.compute_crc32": False}):
-            torch.save(record, sink)
-        sink.seal()
+    sinks: list[ckpt_seal.Sink] = []
 
-    safefs.write_atomic(partial / COMMIT, write, shared)
-    safefs.fsync_dir(partial)
+    def write(f: Any) -> None:
+        sinks.append(ckpt_seal.Sink(f))
+        with torch_serialization.patch({"save.compute_crc32": False}):
+            torch.save(record, sinks[0])
+        sinks[0].seal()
+
+    try:
+        safefs.write_atomic(partial / COMMIT, write, shared)
+        safefs.fsync_dir(partial)
+    except (OSError, RuntimeError) as exc:  # torch's zip writer hides a failed write's reason: the sink kept it
+        cause = sinks[0].error if sinks and sinks[0].error is not None else exc
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0]
+        raise CheckpointError(f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact") from None
     if os.path.lexists(final):  # a step written by an earlier launch that resumed from before it: the new one wins
         remove(final)
     os.replace(partial, final)
