@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ddp_slurm import safefs, slurm_time
+from ddp_slurm.argtypes import integer
 from ddp_slurm.config import ConfigError
 from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.launch import preview, sweep
@@ -38,19 +39,6 @@ PROG = "python -m ddp_slurm.submit"
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse prints usage over several lines; we want one
         raise UsageError(message)
-
-
-def _at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse
 
 
 def _slurm_time(text: str) -> str:
@@ -68,16 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Defaults come from the config's slurm section; KEY=VALUE overrides are dotted config keys.",
     )
     res = p.add_argument_group("resources (default: the config's slurm section)")
-    res.add_argument("-N", "--nodes", type=_at_least(1), metavar="N")
-    res.add_argument("--gpus-per-node", type=_at_least(0), metavar="N")
+    res.add_argument("-N", "--nodes", type=integer(1), metavar="N")
+    res.add_argument("--gpus-per-node", type=integer(0), metavar="N")
     res.add_argument(
         "--tasks-per-node",
         "--ntasks-per-node",
-        type=_at_least(1),
+        type=integer(1),
         metavar="N",
         help="ranks per node (default: one per GPU, 1 without)",
     )
-    res.add_argument("--cpus-per-task", type=_at_least(1), metavar="N")
+    res.add_argument("--cpus-per-task", type=integer(1), metavar="N")
     res.add_argument("--partition")
     res.add_argument("--account")
     res.add_argument("--qos")
@@ -90,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--exclusive", action="store_const", const=True, help="whole nodes, shared with no other job")
     res.add_argument(
         "--signal-delay",
-        type=_at_least(0),
+        type=integer(0),
         metavar="S",
         help="seconds before the time limit at which Slurm sends the stop signal",
     )
