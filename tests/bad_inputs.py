@@ -310,3 +310,132 @@ for label, path in (
 
 # train.cuda_graphs where it cannot hold, found before the ranks start (train/graphs.py: check)
 CASES["cuda-graphs-on-cpu"] = Bad(("train.cuda_graphs=true",), ("train.cuda_graphs=true needs a CUDA GPU",))
+
+# --- the tools' flags (bench, doctor): every number finite and bounded by what the machine can run or
+# hold, every output path writable, each checked before anything starts (ddp_slurm/argtypes.py)
+
+
+def bench(*argv: str, says: tuple[str, ...], files: tuple = ()) -> Bad:
+    return Bad(argv, says, module="ddp_slurm.bench", files=files)
+
+
+def doctor(*argv: str, says: tuple[str, ...]) -> Bad:
+    return Bad(argv, says, module="ddp_slurm.doctor")
+
+
+FORECAST = (  # a forecast JSON as the command writes it, but for its compute time
+    b'{"measured": {"world_size": 2, "nodes": 2, "ranks_per_node": 1, "batch_per_rank": 128, "grad_bytes": 4096, '
+    b'"forward_s": 0.001, "model": "mlp", "backend": "gloo", "device": "cpu", "alpha_s": 1e-05, '
+    b'"beta_s_per_byte": 1e-09, "buckets": [4096], "measured_step_s": null, '
+)
+SAVED_FORECAST = FORECAST + b'"compute_s": 0.002}}'
+# "--flag=-inf": as two words argparse would take -inf for an option
+NOT_FINITE = (("nan", "nan"), ("inf", "inf"), ("minus-inf", "-inf"), ("1e400", "1e400"))
+for label, value in (*NOT_FINITE, ("negative", "-1"), ("zero", "0"), ("huge", "1e12")):
+    CASES[f"bench-checkpoint-state-mb-{label}"] = bench(
+        "checkpoint", f"--state-mb={value}", says=("--state-mb", f"got '{value}'", "available memory")
+    )
+for label, value in (*NOT_FINITE, ("negative", "-5"), ("zero", "0"), ("huge", "1e30")):
+    CASES[f"doctor-timeout-{label}"] = doctor(f"--timeout={value}", says=("--timeout", f"got '{value}'", "10000000"))
+    CASES[f"doctor-size-mb-{label}"] = doctor(f"--size-mb={value}", says=("--size-mb", f"got '{value}'", "memory"))
+for label, value in (("zero", "0"), ("non-integer", "1.5"), ("huge", str(10**30)), ("text", "many")):
+    CASES[f"doctor-iters-{label}"] = doctor("--iters", value, says=("--iters", "an integer from 1 to 1000"))
+CASES["doctor-backend-newline"] = doctor("--backend", "gloo\nnccl", says=("--backend", "'gloo\\nnccl'"))
+CASES["doctor-stray-argument-newline"] = doctor("x\ny", says=("unrecognized arguments: x\\ny",))
+
+# processes and threads: bounded by the CPUs this process may use
+CASES["bench-memory-world-huge"] = bench("memory", "--world", "100000", says=("--world", "'100000'", "CPUs"))
+CASES["bench-memory-world-zero"] = bench("memory", "--world", "0", says=("--world", "got '0'"))
+CASES["bench-checkpoint-worlds-huge"] = bench("checkpoint", "--worlds", "1,100000", says=("--worlds", "CPUs"))
+CASES["bench-checkpoint-worlds-float"] = bench("checkpoint", "--worlds", "1.5", says=("--worlds", "got '1.5'"))
+CASES["bench-checkpoint-worlds-empty"] = bench("checkpoint", "--worlds", "1,,2", says=("--worlds", "got ''"))
+CASES["bench-loader-workers-huge"] = bench("loader", "--workers", "100000", says=("--workers", "CPUs"))
+CASES["bench-loader-dataset-workers-negative"] = bench(
+    "loader", "--dataset-workers", "-1", says=("--dataset-workers", "got '-1'")
+)
+CASES["bench-threads-huge"] = bench("limit", "--threads", str(10**30), says=("--threads", "CPUs"))
+
+# counts and steps: at least one, at most a sane number
+for command, flag, value in (
+    ("startup", "--repeats", "0"),
+    ("ddp", "--repeats", "100000"),
+    ("ddp", "--windows", "0"),
+    ("ddp", "--steps", "-3"),
+    ("ddp", "--warmup", "1e3"),
+    ("loader", "--rounds", "0"),
+    ("loader", "--samples", str(10**30)),
+    ("limit", "--rounds", "0.5"),
+    ("forecast", "--windows", "0"),
+    ("forecast", "--max-nodes", str(10**30)),
+    ("forecast", "--ranks-per-node", "0"),
+    ("overhead", "--pairs", "0"),
+    ("overhead", "--steps", "0"),
+    ("memory", "--steps", "0"),
+    ("memory", "--depth", "0"),
+    ("checkpoint", "--rounds", "0"),
+    ("checkpoint", "--width", "-1"),
+    ("tta", "--seeds", "1,1"),
+    ("tta", "--seeds", "-1"),
+    ("tta", "--seeds", str(2**32)),
+):
+    CASES[f"bench-{command}{flag}-{value[:8]}"] = bench(command, flag, value, says=(flag, f"'{value}'"))
+for label, value in (("nan", "nan"), ("minus-inf", "-inf"), ("zero", "0"), ("above-one", "1.5")):
+    CASES[f"bench-tta-target-{label}"] = bench("tta", f"--target={value}", says=("--target", f"got '{value}'"))
+CASES["bench-limit-seconds-inf"] = bench("limit", "--seconds", "inf", says=("--seconds", "got 'inf'"))
+CASES["bench-ddp-timeout-nan"] = bench("ddp", "--timeout", "nan", says=("--timeout", "got 'nan'"))
+CASES["bench-memory-timeout-zero"] = bench("memory", "--timeout", "0", says=("--timeout", "got '0'"))
+CASES["bench-checkpoint-timeout-inf"] = bench("checkpoint", "--timeout", "inf", says=("--timeout", "got 'inf'"))
+CASES["bench-startup-timeout-huge"] = bench("startup", "--timeout", "1e300", says=("--timeout", "10000000"))
+for command in ("loader", "limit", "ddp", "forecast", "overhead"):
+    CASES[f"bench-{command}-batch-huge"] = bench(command, "--batch", "100000", says=("--batch", "the bundled sample"))
+CASES["bench-forecast-sizes-zero"] = bench("forecast", "--sizes-kib", "4,0", says=("--sizes-kib", "got '0'"))
+CASES["bench-forecast-sizes-huge"] = bench("forecast", "--sizes-kib", str(10**15), says=("--sizes-kib", "memory"))
+
+# sizes whose product would not fit in this host's memory: refused before anything is allocated
+CASES["bench-memory-model-too-big"] = bench(
+    "memory", "--width", "60000", "--depth", "10000", says=("--width 60000 --depth 10000", "available memory")
+)
+CASES["bench-overhead-data-too-big"] = bench(
+    "overhead", "--device", "cpu", "--steps", "1000000", "--batch", "5000", says=("--steps 1000000", "available memory")
+)
+
+# output paths that cannot be written, found before the benchmark runs (nothing printed, nothing created);
+# forecast --from: a benchmark that would otherwise print its table at once
+for label, path, files in (
+    ("in-proc", "/proc/bench.json", ()),
+    ("missing-folder", "nowhere/bench.json", ()),
+    ("a-directory", "out", (("out", DIR),)),
+    ("a-fifo", "out.json", (("out.json", FIFO),)),
+    ("newline", "a\nb.json", ()),
+):
+    CASES[f"bench-json-{label}"] = bench(
+        "forecast", "--from", "f.json", "--json", path, says=("--json",), files=(("f.json", SAVED_FORECAST), *files)
+    )
+for label, path, files in (
+    ("in-proc", "/proc/bench", ()),
+    ("missing", "nowhere", ()),
+    ("a-fifo", "pipe", (("pipe", FIFO),)),
+    ("a-file", "f", (("f", b"x"),)),
+):
+    CASES[f"bench-checkpoint-dir-{label}"] = bench("checkpoint", "--dir", path, says=("--dir",), files=files)
+
+# inputs: the training config of startup and tta is checked before the first child starts
+CASES["bench-startup-override-nan"] = bench("startup", "train.lr=nan", says=("train.lr", "finite"))
+CASES["bench-tta-config-fifo"] = bench(
+    "tta", "--config", "job.yaml", says=("job.yaml", "not a plain file"), files=(("job.yaml", FIFO),)
+)
+CASES["bench-startup-config-newline"] = bench("startup", "--config", "a\nb.yaml", says=("--config", "control"))
+for label, content, says in (
+    ("a-fifo", FIFO, "FIFO"),
+    ("not-json", b"not json", "cannot read a forecast JSON"),
+    ("a-list", b"[1, 2]", "cannot read a forecast JSON"),
+    ("nan", FORECAST + b'"compute_s": NaN}}', "measured.compute_s"),  # JSON's extension
+    ("string-world", b'{"measured": {"world_size": "2"}}', "measured.world_size"),
+    ("huge", b" " * (2 << 20), "larger than"),
+):
+    CASES[f"bench-forecast-from-{label}"] = bench(
+        "forecast", "--from", "f.json", says=("--from f.json", says), files=(("f.json", content),)
+    )
+CASES["bench-forecast-from-missing"] = bench("forecast", "--from", "f.json", says=("--from f.json", "no such file"))
+CASES["bench-unknown-command"] = bench("fast", says=("invalid choice: 'fast'",))
+CASES["bench-stray-argument-newline"] = bench("loader", "x\ny", says=("unrecognized arguments: x\\ny",))

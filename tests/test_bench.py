@@ -22,7 +22,7 @@ import torch
 from conftest import REPO, base_env, skip_or_fail
 
 from ddp_slurm import config
-from ddp_slurm.bench import limit, loader
+from ddp_slurm.bench import limit, pipeline_speed
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
@@ -185,9 +185,9 @@ def test_tta_smoke(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["tta", "--target", "2"], "--target 2"),
-        (["loader", "--batch", "0"], "--batch 0"),
-        (["limit", "--threads", "0"], "--threads 0"),
+        (["tta", "--target", "2"], "argument --target: expected a number > 0 and <= 1, got '2'"),
+        (["loader", "--batch", "0"], "argument --batch: expected an integer from 1 to 5000"),
+        (["limit", "--threads", "0"], "argument --threads: expected an integer from 1 to"),
         (["overhead", "--device", "cpu", "--steps", "30"], "--steps 30"),
         (["overhead", "--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs --device cuda"),
     ],
@@ -209,11 +209,11 @@ def test_seed_pipeline_reads_the_same_digits(tmp_path: Path) -> None:
     """The seed pipeline's torchvision.datasets.MNIST sees exactly ddp_slurm's sample, normalised the same way."""
     from torchvision import datasets
 
-    root = loader.write_torchvision_layout(tmp_path)
+    root = pipeline_speed.write_torchvision_layout(tmp_path)
     train = data.load_sample(train=True)
     ds = datasets.MNIST(str(root), train=True, download=False)
     assert torch.equal(ds.data, train.images) and torch.equal(ds.targets, train.labels)
-    seed = loader.SeedPipeline(root, "mlp", "adam", 8, 1e-3, torch.device("cpu"), workers=0, seed=0)
+    seed = pipeline_speed.SeedPipeline(root, "mlp", "adam", 8, 1e-3, torch.device("cpu"), workers=0, seed=0)
     x, _ = seed.loader.dataset[3]
     assert torch.allclose(x, data.normalize(train.images[3:4])[0], atol=1e-5)
 

@@ -125,8 +125,11 @@ def test_rank_outside_the_world(launcher):
 
 
 def test_usage_error(launcher):
+    """One line (no usage block), exit 2, before any rendezvous; more values in tests/bad_inputs.py."""
     res = launcher.run([sys.executable, "-m", "ddp_slurm.doctor", "--timeout", "0"], timeout=WAIT)
-    assert res.returncode == 2 and "--timeout" in res.stderr
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    [line] = res.stderr.splitlines()
+    assert "argument --timeout" in line and "got '0'" in line
 
 
 def _row(rank: int, host: str, node_rank: int, local_rank: int, gpu: str | None = None) -> dict:

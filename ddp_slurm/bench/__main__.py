@@ -7,13 +7,14 @@ import importlib
 import logging
 import signal
 import sys
-from pathlib import Path
 
+from ddp_slurm import argtypes
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
-from ddp_slurm.exitcodes import EXIT_USAGE, exit_now
+from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_USAGE, exit_now
 from ddp_slurm.text import plain
 
 # Benchmark modules import torch: only the chosen one is imported, so `--help` answers at once.
+# command -> one line of help; the module is ddp_slurm.bench.<MODULES.get(command, command)>.
 COMMANDS = {
     "loader": "ddp_slurm's step vs the seed-style torchvision/DataLoader pipeline: samples/s and ratio",
     "limit": "the training step's fraction of this machine's measured matmul FLOP/s",
@@ -25,10 +26,20 @@ COMMANDS = {
     "memory": "per-rank model-state bytes and peak memory, DDP vs FSDP2 (dist.strategy)",
     "overhead": "the real training loop vs a bare PyTorch loop, same model, data and batch: ratio",
 }
+# Named for what they measure, not after the runtime modules they exercise (train/loader.py, train/ddp.py,
+# train/checkpoint/), so that no two modules of the package share a name.
+MODULES = {"loader": "pipeline_speed", "ddp": "ddp_scaling", "checkpoint": "checkpoint_stall"}
+
+
+def module_of(command: str):
+    """The module of a subcommand (imported now: it imports torch)."""
+    return importlib.import_module(f"ddp_slurm.bench.{MODULES.get(command, command)}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    """Every flag is checked here (argtypes: bounds, finite numbers, an output file that can be written),
+    so a bad one is one line (exit 2) before any benchmark starts."""
+    parser = argtypes.OneLineParser(
         prog="python -m ddp_slurm.bench",
         description=plain(PACKAGE_DOC),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -39,17 +50,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name != chosen:
             sub.add_parser(name, help=help_text)
             continue
-        module = importlib.import_module(f"ddp_slurm.bench.{name}")
+        module = module_of(name)
+        from ddp_slurm.bench import flags
+
         p = sub.add_parser(
             name,
             help=help_text,
             description=plain(module.__doc__),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to FILE")
+        p.add_argument(
+            "--json", type=argtypes.output_file, metavar="FILE", help="also write the figures as JSON to FILE"
+        )
         p.add_argument(
             "--threads",
-            type=int,
+            type=flags.per_cpu(),
             default=None,
             help="torch intra-op threads (default: what ddp_slurm.train would use); for startup and tta "
             "those of the training processes (OMP_NUM_THREADS), for ddp per rank (default: half "
@@ -68,17 +83,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     from ddp_slurm.bench import common
 
-    module = importlib.import_module(f"ddp_slurm.bench.{args.command}")
+    module = module_of(args.command)
     try:
-        if args.threads is not None and args.threads < 1:
-            raise common.BenchError(f"--threads {args.threads}: expected an integer >= 1")
         threads = args.threads if args.command in ("ddp", "checkpoint") else common.set_threads(args.threads)
         payload = module.measure(args, threads)
     except common.BenchError as exc:
         print(f"ddp_slurm.bench {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if payload is not None:  # None: a rank other than 0 of a multi-rank benchmark, which rank 0 reports
+    except OSError as exc:  # its scratch folder cannot be made (the working directory is read-only, full, ...)
+        print(f"ddp_slurm.bench {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if payload is None:  # a rank other than 0 of a multi-rank benchmark, which rank 0 reports
+        return 0
+    try:
         common.report(payload, module.render(payload), args.json)
+    except OSError as exc:  # the disk filled up, or the folder went away, while the benchmark ran
+        print(
+            f"ddp_slurm.bench {args.command}: error: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return EXIT_FAILURE
     return 0
 
 

@@ -30,7 +30,6 @@ STATE_BYTES_PER_PARAM = 12  # fp32 parameter + Adam's two fp32 moments
 def measure(args: argparse.Namespace, threads: int | None, worlds: list[int]) -> dict[str, Any]:
     width = max(8, int(math.sqrt(args.state_mb * 2**20 / STATE_BYTES_PER_PARAM / DEPTH)))
     base = args.dir or Path.cwd()
-    base.mkdir(parents=True, exist_ok=True)
     by_world = {}
     with tempfile.TemporaryDirectory(prefix=".bench-checkpoint-fsdp-", dir=base) as tmp:
         for world in worlds:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm.bench import common
-from ddp_slurm.bench.checkpoint import KEEP, raw_write_s
+from ddp_slurm.bench.checkpoint_stall import KEEP, raw_write_s
 from ddp_slurm.bench.ckpt_worker import Trainer, exchange, set_threads
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.train import checkpoint

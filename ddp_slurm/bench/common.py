@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ddp_slurm import text
+from ddp_slurm import safefs, text
 from ddp_slurm.distributed.env import RENDEZVOUS_VARS, TORCHRUN_LAYOUT_VARS
 from ddp_slurm.train.ddp import wrap_ddp
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
@@ -84,9 +84,10 @@ def set_threads(requested: int | None) -> int:
     if requested is not None:
         torch.set_num_threads(requested)
         return requested
-    from ddp_slurm import bootstrap
+    from ddp_slurm.distributed.env import DistEnv
+    from ddp_slurm.distributed.group import configure_threads
 
-    return bootstrap.configure_threads(bootstrap.DistEnv.from_environ({}), os.environ)
+    return configure_threads(DistEnv.from_environ({}), os.environ)
 
 
 def sync(device: torch.device) -> None:
@@ -156,12 +157,14 @@ def busy_note(payload: Mapping[str, Any]) -> str | None:
 
 
 def report(payload: dict[str, Any], text: str, json_path: Path | None) -> None:
-    """Print the table (and a note when the machine is busy); write the JSON (header + figures) where asked."""
+    """Print the table (and a note when the machine is busy); write the JSON (header + figures) where asked:
+    whole or not at all, never through a symlink (its folder was checked before the benchmark ran:
+    ``argtypes.output_file``)."""
     note = busy_note(payload)
     print(text if note is None else f"{text}\n{note}", flush=True)
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        data = (json.dumps(payload, indent=2) + "\n").encode()
+        safefs.write_atomic(json_path, lambda f: f.write(data))
         print(f"wrote {json_path}", file=sys.stderr)
 
 

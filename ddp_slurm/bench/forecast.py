@@ -21,34 +21,52 @@ ranks, alpha and beta from the one with the most.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddp_slurm.bench import common
+from ddp_slurm import argtypes
+from ddp_slurm.bench import common, flags, forecast_saved
 from ddp_slurm.train.ddp import bucket_cap_mb
 
 DDP_FIRST_BUCKET = 1 << 20  # DDP's first bucket, then 25 MiB ones (torch's defaults)
 DDP_BUCKET = 25 << 20
+MAX_NODES, MAX_RANKS_PER_NODE = 1 << 20, 1 << 10  # of the forecast, not of what runs here
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ddp_slurm.tasks.mnist import models
 
+    mib, why = argtypes.memory_mib()
     p.add_argument("--model", choices=models.MODELS, default="cnn")
-    p.add_argument("--batch", type=int, default=128, help="per-rank batch (default 128)")
-    p.add_argument("--steps", type=int, default=10, help="steps per timing window (default 10)")
-    p.add_argument("--windows", type=int, default=5, help="timing windows (default 5)")
-    p.add_argument("--sizes-kib", default="4,64,1024,8192", help="all-reduce message sizes in KiB")
-    p.add_argument("--max-nodes", type=int, default=1024)
-    p.add_argument("--ranks-per-node", type=int, default=None, help="for the forecast (default: as measured)")
-    p.add_argument("--from", dest="sources", default=None, metavar="A.json[,B.json]", help="forecast from saved runs")
+    p.add_argument("--batch", type=flags.batch(), default=128, help="per-rank batch (default 128)")
+    p.add_argument("--steps", type=flags.steps(), default=10, help="steps per timing window (default 10)")
+    p.add_argument("--windows", type=flags.count(), default=5, help="timing windows (default 5)")
+    p.add_argument(
+        "--sizes-kib",
+        type=argtypes.integers(1, int(mib * 1024), why.replace("MiB", "KiB")),
+        default="4,64,1024,8192",
+        help="all-reduce message sizes in KiB",
+    )
+    p.add_argument("--max-nodes", type=argtypes.integer(1, MAX_NODES), default=1024)
+    p.add_argument(
+        "--ranks-per-node",
+        type=argtypes.integer(1, MAX_RANKS_PER_NODE),
+        default=None,
+        help="for the forecast (default: as measured)",
+    )
+    p.add_argument(
+        "--from",
+        dest="sources",
+        type=forecast_saved.sources,
+        default=None,
+        metavar="A.json[,B.json]",
+        help="forecast from saved runs",
+    )
 
 
 # ---------------------------------------------------------------- the model
@@ -124,13 +142,17 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
     """Every rank measures; rank 0 returns the figures, the others None."""
     import torch.distributed as dist
 
-    from ddp_slurm import bootstrap
-    from ddp_slurm.bench import common
+    from ddp_slurm.distributed.env import DistEnv
+    from ddp_slurm.distributed.group import distributed
     from ddp_slurm.tasks.mnist import data
 
-    env = bootstrap.DistEnv.from_environ(os.environ)
+    env = DistEnv.from_environ(os.environ)
     ws = env.world_size
-    with bootstrap.distributed(env, "auto", timeout_s=300) as (device, backend):
+    if args.batch * ws > data.TRAIN_SIZES["sample"]:
+        raise common.BenchError(
+            f"--batch {args.batch} x {ws} ranks: more than the bundled sample's {data.TRAIN_SIZES['sample']} images"
+        )
+    with distributed(env, "auto", timeout_s=300) as (device, backend):
         train = data.load_sample(train=True).to(device)
         model, _, ddp_step, bare, batches = common.mnist_trainer(args.model, args.batch * ws, env.rank, ws, device)
         x, y = data.normalize(train.images[: args.batch]), train.labels[: args.batch]
@@ -145,7 +167,7 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
         fwd = [_window(forward, args.steps, device) for _ in range(args.windows)]
         measured = [_window(lambda: ddp_step(next(batches)), args.steps, device) for _ in range(args.windows)]
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        sizes = [int(k) * 1024 for k in args.sizes_kib.split(",")]
+        sizes = [k * 1024 for k in args.sizes_kib]
         allreduce = []
         for size in sizes:
             buf = torch.ones(size // 4, device=device)
@@ -190,10 +212,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any] | None:
     if args.sources:
-        try:
-            runs = [json.loads(Path(f).read_text())["measured"] for f in args.sources.split(",")]
-        except (OSError, ValueError, KeyError) as exc:
-            raise common.BenchError(f"--from {args.sources}: cannot read a forecast JSON ({exc})") from None
+        runs = [forecast_saved.read(name) for name in args.sources]
     else:
         started = time.monotonic()
         result = measure_ranks(args)

@@ -24,27 +24,35 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddp_slurm import config
-from ddp_slurm.bench import common
-from ddp_slurm.bench.loader import FastPipeline
-from ddp_slurm.tasks.mnist import data, models
+from ddp_slurm import argtypes, config
+from ddp_slurm.bench import common, flags
+from ddp_slurm.bench.pipeline_speed import FastPipeline
+from ddp_slurm.tasks.mnist import models
+
+MAX_WINDOW_S = 3600.0  # one measurement window
+MAX_MATMUL = 1 << 16  # n of an n x n matmul (its memory is checked too)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=models.MODELS, default="mlp")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=flags.batch(), default=128)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--rounds", type=int, default=5, help="alternating matmul / step rounds (default 5)")
-    p.add_argument("--seconds", type=float, default=0.5, help="length of each measurement window (default 0.5)")
+    p.add_argument("--rounds", type=flags.count(), default=5, help="alternating matmul / step rounds (default 5)")
+    p.add_argument(
+        "--seconds",
+        type=argtypes.number(0, MAX_WINDOW_S, above=True),
+        default=0.5,
+        help="length of each measurement window (default 0.5)",
+    )
     p.add_argument(
         "--matmul-size",
-        type=int,
+        type=argtypes.integer(1, MAX_MATMUL),
         default=None,
         help="n of the n x n matmul (default: the step's FLOPs per call, see the module doc)",
     )
     p.add_argument(
         "--peak-size",
-        type=int,
+        type=argtypes.integer(1, MAX_MATMUL),
         default=1024,
         help="n of a large matmul measured alongside, for the machine's peak (default 1024)",
     )
@@ -97,11 +105,11 @@ def calibrate(fn, device: torch.device, seconds: float) -> int:
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     device = common.resolve_device(args.device)
-    if not 1 <= args.batch <= data.TRAIN_SIZES["sample"]:
-        raise common.BenchError(f"--batch {args.batch}: expected 1 to {data.TRAIN_SIZES['sample']}")
     fwd, counted = forward_and_training_flops(args.model, args.batch)
     train_flops = 3 * fwd
     n = args.matmul_size or auto_matmul_size(train_flops * args.batch)
+    # Each MatmulRate holds three n x n float32 matrices.
+    flags.check_memory(f"--matmul-size {n} --peak-size {args.peak_size}", 12 * (n**2 + args.peak_size**2))
     limit_rate, peak_rate = MatmulRate(n, device, args.seconds), MatmulRate(args.peak_size, device, args.seconds)
 
     cfg = config.load(overrides=[f"model.name={args.model}", f"train.global_batch_size={args.batch}"])

@@ -21,18 +21,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm.bench import common
+from ddp_slurm import argtypes
+from ddp_slurm.bench import common, flags
 
 STRATEGIES = ("ddp", "fsdp")
+MAX_WIDTH, MAX_DEPTH = 1 << 16, 10_000  # their product is bounded by the host's memory (measure)
+BYTES_PER_PARAM = 16  # fp32 parameter, gradient and Adam's two moments: what a DDP rank holds
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="ddp,fsdp", help="strategies to compare, comma-separated (ddp,fsdp)")
-    p.add_argument("--world", type=int, default=2, help="local ranks (processes)")
-    p.add_argument("--width", type=int, default=1024, help="width of each linear block")
-    p.add_argument("--depth", type=int, default=8, help="linear blocks (each one FSDP unit)")
-    p.add_argument("--steps", type=int, default=5, help="steps timed after 2 warm-up steps")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a rank is given up")
+    p.add_argument("--world", type=flags.per_cpu(), default=2, help="local ranks (processes)")
+    p.add_argument("--width", type=argtypes.integer(1, MAX_WIDTH), default=1024, help="width of each linear block")
+    p.add_argument("--depth", type=argtypes.integer(1, MAX_DEPTH), default=8, help="linear blocks (each one FSDP unit)")
+    p.add_argument("--steps", type=flags.steps(), default=5, help="steps timed after 2 warm-up steps")
+    p.add_argument("--timeout", type=flags.seconds(), default=600.0, help="seconds before a rank is given up")
 
 
 def strategies(text: str) -> list[str]:
@@ -67,8 +70,10 @@ def run_ranks(
 
 def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     chosen = strategies(args.strategy)
-    if args.world < 1 or args.width < 1 or args.depth < 1 or args.steps < 1:
-        raise common.BenchError("--world, --width, --depth and --steps must be >= 1")
+    params = args.depth * (args.width**2 + args.width) + args.width + 1
+    flags.check_memory(
+        f"--width {args.width} --depth {args.depth} --world {args.world}", args.world * BYTES_PER_PARAM * params
+    )
     per_rank_threads = 1
     extra = ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
     with tempfile.TemporaryDirectory(prefix=".bench-memory-", dir=Path.cwd()) as tmp:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddp_slurm.bench import common
+from ddp_slurm import argtypes
+from ddp_slurm.bench import common, flags
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tasks.mnist import MNIST, data, models
 from ddp_slurm.train.task import Tensors
@@ -43,11 +44,14 @@ LOG_EVERY = 20  # train.log_every_steps's default: the ddp_slurm rate is read fr
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when there is a GPU")
     p.add_argument("--model", choices=models.MODELS, default="cnn")
-    p.add_argument("--batch", type=int, default=128, help="batch (default 128)")
+    p.add_argument("--batch", type=flags.batch(), default=128, help="batch (default 128)")
     p.add_argument(
-        "--steps", type=int, default=None, help="measured steps per run, a multiple of 20 (default: 200 cpu, 2000 cuda)"
+        "--steps",
+        type=argtypes.integer(LOG_EVERY, flags.MAX_STEPS),
+        default=None,
+        help="measured steps per run, a multiple of 20 (default: 200 cpu, 2000 cuda)",
     )
-    p.add_argument("--pairs", type=int, default=3, help="ddp_slurm/bare pairs (default 3)")
+    p.add_argument("--pairs", type=flags.count(), default=3, help="ddp_slurm/bare pairs (default 3)")
     p.add_argument("--cuda-graphs", action="store_true", help="ddp_slurm with train.cuda_graphs=true")
 
 
@@ -130,12 +134,12 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     if args.cuda_graphs and device.type != "cuda":
         raise common.BenchError("--cuda-graphs needs --device cuda (CUDA graphs are a GPU feature)")
     steps = args.steps if args.steps is not None else (2000 if device.type == "cuda" else 200)
-    if steps < LOG_EVERY or steps % LOG_EVERY or args.batch < 1 or args.pairs < 1:
-        raise common.BenchError(
-            f"--steps {steps} --batch {args.batch} --pairs {args.pairs}: expected steps a multiple of "
-            f"{LOG_EVERY}, batch and pairs >= 1"
-        )
+    if steps % LOG_EVERY:
+        raise common.BenchError(f"--steps {steps}: expected a multiple of {LOG_EVERY}")
     repeats = _repeats(steps, args.batch)
+    # The sample repeated, uint8 images and int64 labels: in the bare loop, and in the run's task and loader.
+    sample = data.TRAIN_SIZES["sample"] * (28 * 28 + 8)
+    flags.check_memory(f"--steps {steps} --batch {args.batch}", 3 * repeats * sample)
     os.environ["DDP_SLURM_BENCH_REPEATS"] = str(repeats)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the runtime sets its threads from it, as under a launcher
     ours, bare, ratios = [], [], []

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ddp_slurm.bench import common
+from ddp_slurm import argtypes
+from ddp_slurm.bench import common, flags
 
 MARK = "ddp_slurm-bench-mark"
 TORCH_CHILD = f"import torch; print({MARK!r}, flush=True)"
@@ -45,10 +46,14 @@ runpy.run_module("ddp_slurm.train", run_name="__main__", alter_sys=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repeats", type=int, default=5, help="measurements of each (default 5)")
-    p.add_argument("--config", type=Path, help="job config for the training run (default: the built-in defaults)")
+    p.add_argument("--repeats", type=flags.count(), default=5, help="measurements of each (default 5)")
+    p.add_argument(
+        "--config",
+        type=argtypes.input_file,
+        help="job config for the training run (default: the built-in defaults)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the training run")
-    p.add_argument("--timeout", type=float, default=600, help="seconds one child may take (default 600)")
+    p.add_argument("--timeout", type=flags.seconds(), default=600, help="seconds one child may take (default 600)")
 
 
 def time_to_mark(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> float:
@@ -74,6 +79,7 @@ def time_to_mark(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str])
 
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    flags.check_training_config(args.config, args.overrides)
     torch_s, train_s = [], []
     extra = ["--config", str(args.config.resolve())] if args.config else []
     env = common.child_env(**({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))

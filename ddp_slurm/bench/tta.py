@@ -21,29 +21,30 @@ from typing import Any
 
 import torch
 
-from ddp_slurm.bench import common
+from ddp_slurm import argtypes
+from ddp_slurm.bench import common, flags
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import metrics
 
+MAX_SEED = 2**32 - 1  # run.seed's range
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=float, default=0.97, help="test accuracy to reach, 0-1 (default 0.97)")
     p.add_argument(
-        "--seeds", type=_seed_list, default=[0, 1, 2], help="run.seed of each run, comma-separated (default 0,1,2)"
+        "--target",
+        type=argtypes.number(0, 1, above=True),
+        default=0.97,
+        help="test accuracy to reach, 0-1 (default 0.97)",
     )
-    p.add_argument("--config", type=Path, help="job config (default: the built-in defaults)")
+    p.add_argument(
+        "--seeds",
+        type=argtypes.integers(0, MAX_SEED, "run.seed's range", unique=True),
+        default=[0, 1, 2],
+        help="run.seed of each run, comma-separated (default 0,1,2)",
+    )
+    p.add_argument("--config", type=argtypes.input_file, help="job config (default: the built-in defaults)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=4")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take (default 1800)")
-
-
-def _seed_list(text: str) -> list[int]:
-    try:
-        seeds = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,1,2") from None
-    if len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"{text!r} repeats a seed")
-    return seeds
+    p.add_argument("--timeout", type=flags.seconds(), default=1800, help="seconds one run may take (default 1800)")
 
 
 def first_at_target(path: Path, target: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -101,8 +102,7 @@ def one_run(seed: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
-    if not 0 < args.target <= 1:
-        raise common.BenchError(f"--target {args.target}: expected a fraction in (0, 1], e.g. 0.97")
+    flags.check_training_config(args.config, [*args.overrides, *(f"run.seed={seed}" for seed in args.seeds)])
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-bench-") as tmp:
         runs = [one_run(seed, args, Path(tmp)) for seed in args.seeds]
     device = "cuda" if torch.cuda.is_available() else "cpu"  # what the trainer picks (dist.backend auto)

@@ -12,6 +12,9 @@ which a training process reaches in its first steps anyway.
 This is what PyTorch's CPU performance guides get from preloading jemalloc or tcmalloc, without the
 extra library. It applies to glibc on Linux only, and only when the user chose nothing: ``MALLOC_*``
 or ``GLIBC_TUNABLES`` settings, or a preloaded allocator, are left alone.
+
+``available_memory`` is the host's ``MemAvailable``: what asynchronous checkpoints may copy into
+(checkpoint/writer.py) and what the tools' size flags are bounded by (ddp_slurm/argtypes.py).
 """
 
 from __future__ import annotations
@@ -56,3 +59,15 @@ def keep_freed_memory(environ: Mapping[str, str]) -> bool:
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):  # musl and others
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of the host in bytes (Linux), None where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

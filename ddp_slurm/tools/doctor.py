@@ -24,8 +24,9 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from ddp_slurm import bootstrap, text
-from ddp_slurm.bootstrap import BootstrapError, DistEnv, RendezvousError
+from ddp_slurm import argtypes, text
+from ddp_slurm.distributed import group
+from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError
 from ddp_slurm.exitcodes import EXIT_FAILURE as EXIT_FAIL
 from ddp_slurm.exitcodes import EXIT_OK, exit_now
 from ddp_slurm.tools.preflight import (
@@ -241,8 +242,14 @@ def fail_line(where: str, failure: Failure) -> str:
     return f"doctor: FAIL {where}: {failure.cause}: {failure.detail}"
 
 
+MAX_ITERS = 1000  # timed repeats of the bandwidth test
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    """A bad flag is one line (exit 2) here, before any rendezvous: a nan or inf timeout would otherwise
+    reach the rendezvous and the collectives and be reported as their failure."""
+    size_limit, size_why = argtypes.memory_mib()
+    parser = argtypes.OneLineParser(
         prog="python -m ddp_slurm.doctor",
         description=(
             "Preflight of a distributed allocation: run it the way the training will run "
@@ -251,24 +258,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=argtypes.number(0, argtypes.MAX_TIMEOUT_S, "seconds", above=True),
         default=30.0,
         metavar="S",
         help="seconds the rendezvous and each collective may take (default 30)",
     )
     parser.add_argument(
         "--size-mb",
-        type=float,
+        type=argtypes.number(0, size_limit, size_why, above=True),
         default=64.0,
         metavar="MIB",
         help="message size of the bandwidth test in MiB (default 64)",
     )
-    parser.add_argument("--iters", type=int, default=5, help="timed repeats of the bandwidth test (default 5)")
+    parser.add_argument(
+        "--iters",
+        type=argtypes.integer(1, MAX_ITERS),
+        default=5,
+        help="timed repeats of the bandwidth test (default 5)",
+    )
     parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
-    args = parser.parse_args(argv)
-    if args.timeout <= 0 or args.size_mb <= 0 or args.iters < 1:
-        parser.error("--timeout and --size-mb must be positive and --iters at least 1")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
     logs.setup(env.rank, host)
     if resolve_host(env.master_addr):  # an unresolvable name is diagnosed by the rendezvous below
-        bootstrap.fix_loopback_ifname(env, os.environ)
+        group.fix_loopback_ifname(env, os.environ)
     rep = describe(env, os.environ)
     fails, suspects = local_checks(rep, os.environ)
     for failure in fails:
@@ -312,7 +321,7 @@ def _meet_and_measure(args: argparse.Namespace, env: DistEnv, rep: Report, suspe
     grace = max(10.0, args.timeout / 2)  # torch's own timeout fires first and names the cause better
     deadline.arm(args.timeout + grace, lambda: fail_line(rep.where(), stuck_rendezvous(rep, args.timeout + grace)))
     try:
-        device, backend = bootstrap.init_distributed(env, args.backend, args.timeout)
+        device, backend = group.init_distributed(env, args.backend, args.timeout)
     except (BootstrapError, RendezvousError) as exc:
         deadline.disarm()
         failure = (
@@ -334,7 +343,7 @@ def _meet_and_measure(args: argparse.Namespace, env: DistEnv, rep: Report, suspe
         code = EXIT_FAIL
     # Leaving the group must not hang either; the verdict is already out, so keep its exit status.
     deadline.arm(args.timeout + grace, lambda: f"doctor: {rep.where()}: leaving the process group hung", code)
-    bootstrap.shutdown()
+    group.shutdown()
     deadline.disarm()
     return code
 

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ddp_slurm.bootstrap import BootstrapError, DistEnv
+from ddp_slurm.distributed.env import BootstrapError, DistEnv
 
 
 class Failure(Exception):
@@ -118,7 +118,7 @@ def describe(env: DistEnv, environ: Mapping[str, str]) -> Report:
     gpu = gpu_id = None
     if count:
         visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        index = env.local_rank % count  # what bootstrap.pick_device_and_backend chooses
+        index = env.local_rank % count  # what distributed.group.pick_device_and_backend chooses
         gpu = visible[index] if index < len(visible) else str(index)
         gpu_id = gpu_identity(index)
     step = environ.get("SLURM_STEP_ID", "")

@@ -21,18 +21,6 @@ def state_bytes(state: Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in checkpoint._tensors(state))
 
 
-def available_memory() -> int | None:
-    """``MemAvailable`` of the host in bytes (Linux), None where the OS does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 class Snapshotter:
     """Copies a nested state into host buffers it owns and reuses while the layout stays the same."""
 

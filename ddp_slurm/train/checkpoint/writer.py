@@ -44,8 +44,9 @@ from typing import Any, Literal
 import torch
 
 from ddp_slurm import safefs
+from ddp_slurm.distributed.hostmem import available_memory
 from ddp_slurm.train.checkpoint import format as checkpoint
-from ddp_slurm.train.checkpoint.snapshot import Snapshotter, available_memory, on_gpu, state_bytes
+from ddp_slurm.train.checkpoint.snapshot import Snapshotter, on_gpu, state_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``bench ddp``: weak scaling on one machine, 1 rank against 2 ranks with the same per-rank batch.
 
-Each rank is a real process joined through ``ddp_slurm.bootstrap`` (gloo on CPU; nccl where there are
+Each rank is a real process joined through ``ddp_slurm.distributed.group`` (gloo on CPU; nccl where there are
 two GPUs) and trains with what ``ddp_slurm.train`` uses: ``ddp.wrap_ddp``, ``step.make_step`` (the MNIST
 task's loss) and the loop's per-step ``vote.StopVote``. Every rank gets the same number of threads, half the machine's
 CPUs: one rank with all of them would compare two cores against two times one core and measure how
@@ -17,7 +17,7 @@ Efficiency is the median over windows of (1-rank step / 2-rank step), each pair 
 apart. Communication = 2-rank step - compute: the gradient all-reduce, the stop vote and the wait for
 the slower rank; a lone all-reduce of the gradients' size is timed too.
 
-The workers are ``python -m ddp_slurm.bench.ddp --worker``; they write their timings as JSON.
+The workers are ``python -m ddp_slurm.bench.ddp_scaling --worker``; they write their timings as JSON.
 """
 
 from __future__ import annotations
@@ -33,38 +33,38 @@ from typing import Any
 
 import torch
 
-from ddp_slurm import bootstrap
-from ddp_slurm.bench import common
+from ddp_slurm.bench import common, flags
+from ddp_slurm.distributed.env import DistEnv
+from ddp_slurm.distributed.group import distributed
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train.signals import StopFlag
 from ddp_slurm.train.vote import StopVote
 
+WORLD = 2  # the 1-rank figures come from rank 0 of the same launch
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=models.MODELS, default="cnn")
-    p.add_argument("--batch", type=int, default=128, help="per-rank batch (default 128)")
+    p.add_argument("--batch", type=flags.batch(WORLD), default=128, help="per-rank batch (default 128)")
     p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="auto: cuda (nccl) with two or more GPUs, else cpu (gloo)",
     )
-    p.add_argument("--steps", type=int, default=20, help="steps per measurement window (default 20)")
-    p.add_argument("--windows", type=int, default=8, help="windows of each kind per launch (default 8)")
-    p.add_argument("--repeats", type=int, default=2, help="launches (default 2)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--timeout", type=float, default=900, help="seconds a launch may take (default 900)")
-
-
-WORLD = 2  # the 1-rank figures come from rank 0 of the same launch
+    p.add_argument("--steps", type=flags.steps(), default=20, help="steps per measurement window (default 20)")
+    p.add_argument("--windows", type=flags.count(), default=8, help="windows of each kind per launch (default 8)")
+    p.add_argument("--repeats", type=flags.count(), default=2, help="launches (default 2)")
+    p.add_argument("--warmup", type=flags.steps(0), default=5)
+    p.add_argument("--timeout", type=flags.seconds(), default=900, help="seconds a launch may take (default 900)")
 
 
 def launch(threads: int, device: str, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """Start the two worker processes, wait for both, return their results (rank order)."""
 
     def command(out: Path) -> list[str]:
-        return [sys.executable, "-m", "ddp_slurm.bench.ddp", "--worker", "--out", str(out), "--device", device,
+        return [sys.executable, "-m", "ddp_slurm.bench.ddp_scaling", "--worker", "--out", str(out), "--device", device,
                 "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps),
                 "--windows", str(args.windows), "--warmup", str(args.warmup)]  # fmt: skip
 
@@ -174,14 +174,14 @@ def worker(argv: list[str]) -> int:
     """One of the two ranks: time alternating windows (rank 0 alone, both training, both computing), write JSON."""
     import torch.distributed as dist
 
-    p = argparse.ArgumentParser(prog="python -m ddp_slurm.bench.ddp --worker")
+    p = argparse.ArgumentParser(prog="python -m ddp_slurm.bench.ddp_scaling --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--out", type=Path, required=True)
     add_arguments(p)
     args = p.parse_args(argv)
-    env = bootstrap.DistEnv.from_environ(os.environ)
+    env = DistEnv.from_environ(os.environ)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    with bootstrap.distributed(env, backend, timeout_s=args.timeout) as (device, backend):
+    with distributed(env, backend, timeout_s=args.timeout) as (device, backend):
         if args.device == "cpu":
             device = torch.device("cpu")  # a GPU machine benchmarking its CPUs
         B, ws = args.batch, env.world_size

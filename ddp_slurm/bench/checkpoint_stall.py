@@ -40,23 +40,43 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm import safefs
-from ddp_slurm.bench import common
+from ddp_slurm import argtypes, safefs
+from ddp_slurm.bench import common, flags
 from ddp_slurm.train.checkpoint import seal as ckpt_seal
 
 SYNC_STEPS_AFTER = 5  # steps between two measured saves, so each starts from a steady state
+MAX_WIDTH, MAX_BATCH = 1 << 14, 1 << 16  # of the small model that trains beside the state
+
+
+def model_bytes(width: int, batch: int) -> int:
+    """What the small model of ``ckpt_worker.Trainer`` holds: three layers of about width x width (fp32
+    weights, gradients, Adam's two moments) and a batch's activations."""
+    return 16 * 3 * width * (width + 1) + 4 * 4 * batch * width
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-mb", type=float, default=512.0, help="MiB of synthetic model+optimizer state")
-    p.add_argument("--rounds", type=int, default=5, help="checkpoints measured per mode and world size")
-    p.add_argument("--worlds", default="1,2", help="world sizes to measure, comma-separated")
-    p.add_argument("--width", type=int, default=256, help="width of the small model that trains (step time)")
-    p.add_argument("--batch", type=int, default=64)
     p.add_argument(
-        "--dir", type=Path, default=None, help="where to write (default: a temporary folder in the working directory)"
+        "--state-mb",
+        type=argtypes.number(0, *argtypes.memory_mib(), above=True),
+        default=512.0,
+        help="MiB of synthetic model+optimizer state",
     )
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a worker is given up")
+    p.add_argument("--rounds", type=flags.count(), default=5, help="checkpoints measured per mode and world size")
+    p.add_argument("--worlds", type=flags.world_sizes(), default="1,2", help="world sizes to measure, comma-separated")
+    p.add_argument(
+        "--width",
+        type=argtypes.integer(1, MAX_WIDTH),
+        default=256,
+        help="width of the small model that trains (step time)",
+    )
+    p.add_argument("--batch", type=argtypes.integer(1, MAX_BATCH), default=64)
+    p.add_argument(
+        "--dir",
+        type=argtypes.output_dir,
+        default=None,
+        help="an existing folder to write in (default: a temporary folder in the working directory)",
+    )
+    p.add_argument("--timeout", type=flags.seconds(), default=1800.0, help="seconds before a worker is given up")
     p.add_argument(
         "--strategy",
         choices=["ddp", "fsdp"],
@@ -162,26 +182,26 @@ def signal_to_durable(args: argparse.Namespace, threads: int, folder: Path, mode
 
 def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     threads = threads or 1  # per rank: --threads, else one
-    if args.state_mb <= 0 or args.rounds < 1:
-        raise common.BenchError("--state-mb must be > 0 and --rounds >= 1")
-    try:
-        worlds = sorted({int(w) for w in args.worlds.split(",")})
-    except ValueError:
-        raise common.BenchError(f"--worlds {args.worlds!r}: expected world sizes like 1,2") from None
-    if not worlds or worlds[0] < 1:
-        raise common.BenchError(f"--worlds {args.worlds!r}: expected world sizes >= 1, e.g. 1,2")
+    worlds = sorted(set(args.worlds))
+    shown = ",".join(map(str, worlds))
+    # Every rank holds the whole state (sharded: its share), and the small model; the asynchronous
+    # copies have the other half of what check_memory allows.
+    holders = 1 if args.strategy == "fsdp" else worlds[-1]
+    flags.check_memory(
+        f"--state-mb {args.state_mb:g} --width {args.width} --batch {args.batch} at world size {worlds[-1]}",
+        holders * args.state_mb * 2**20 + worlds[-1] * model_bytes(args.width, args.batch),
+    )
     if args.device == "cuda":
         if args.strategy == "fsdp":
             raise common.BenchError("--strategy fsdp measures on CPU ranks (gloo): leave out --device cuda")
         common.resolve_device("cuda")  # BenchError without a GPU
         if worlds != [1]:
-            raise common.BenchError(f"--device cuda measures world size 1 (one GPU): add --worlds 1, not {args.worlds}")
+            raise common.BenchError(f"--device cuda measures world size 1 (one GPU): add --worlds 1, not {shown}")
     if args.strategy == "fsdp":
         from ddp_slurm.bench import checkpoint_fsdp
 
         return checkpoint_fsdp.measure(args, threads, worlds)
     base = args.dir or Path.cwd()
-    base.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=base))
     try:
         by_world = {str(w): launch_measure(args, w, threads, folder) for w in worlds}

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ddp_slurm import config
-from ddp_slurm.bench import common
+from ddp_slurm.bench import common, flags
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
@@ -37,19 +37,19 @@ IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=models.MODELS, default="mlp")
-    p.add_argument("--batch", type=int, default=128, help="batch size of both pipelines (default 128)")
+    p.add_argument("--batch", type=flags.batch(), default=128, help="batch size of both pipelines (default 128)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--rounds", type=int, default=7, help="A B rounds after the warm-up (default 7)")
+    p.add_argument("--rounds", type=flags.count(), default=7, help="A B rounds after the warm-up (default 7)")
     p.add_argument(
         "--samples",
-        type=int,
+        type=flags.steps(),
         default=4992,
         help="samples each pipeline trains per round, rounded down to full batches (default: one epoch)",
     )
-    p.add_argument("--warmup", type=int, default=10, help="warm-up steps of each pipeline (default 10)")
+    p.add_argument("--warmup", type=flags.steps(0), default=10, help="warm-up steps of each pipeline (default 10)")
     p.add_argument(
         "--workers",
-        type=int,
+        type=flags.per_cpu(0),
         default=0,
         help="DataLoader worker processes of the seed pipeline (default 0: on a few cores, "
         "workers compete with the training step for them)",
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dataset-workers",
-        type=int,
+        type=flags.per_cpu(0),
         default=2,
         help="worker processes of the Dataset path (default 2: the runtime's train.workers default)",
     )
@@ -196,10 +196,6 @@ def cfg_task(cfg: config.Config, batch: int, device: torch.device):
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     device = common.resolve_device(args.device)
-    if args.batch < 1 or args.batch > data.TRAIN_SIZES["sample"]:
-        raise common.BenchError(f"--batch {args.batch}: expected 1 to {data.TRAIN_SIZES['sample']}")
-    if args.dataset_workers < 0:
-        raise common.BenchError(f"--dataset-workers {args.dataset_workers}: expected 0 or more")
     steps = max(1, args.samples // args.batch)
     cfg = config.load(overrides=[f"model.name={args.model}", f"train.global_batch_size={args.batch}"])
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-bench-") as tmp:
