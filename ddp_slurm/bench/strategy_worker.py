@@ -1,6 +1,6 @@
 """One rank of ``bench memory`` and of ``bench checkpoint --strategy fsdp``: a stack of ``--depth`` linear
 blocks of ``--width`` trained with Adam under DDP or FSDP2, built the way ``ddp_slurm.train`` builds it
-(``ddp.wrap_ddp`` / ``fsdp.shard`` with the default units, ``optim.make_optimizer``, ``step.make_step``).
+(``strategy.of(...).wrap``: DDP, or FSDP2 with the default units; ``optim.make_optimizer``, ``step.make_step``).
 
 ``--mode memory``: per-rank bytes of parameters, gradients and optimizer state (the local shards under
 FSDP), peak memory (CUDA: ``max_memory_allocated``; CPU: peak RSS above the RSS before the model was
@@ -26,7 +26,6 @@ from torch import nn
 
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.ddp import wrap_ddp
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 
@@ -51,18 +50,13 @@ def rss_bytes() -> int:
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any, Any]:
     from ddp_slurm.config import TrainConfig
-    from ddp_slurm.train import fsdp, step
-    from ddp_slurm.train.task import default_units
+    from ddp_slurm.train import step, strategy
+    from ddp_slurm.train.task import Task
 
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU()) for _ in range(args.depth)]
     model = nn.Sequential(*blocks, nn.Linear(args.width, 1)).to(device)
-    world = dist.get_world_size()
-    if args.strategy == "fsdp":
-        model = fsdp.shard(model, default_units(model), device, "fp32")
-        net = model
-    else:
-        net = wrap_ddp(model, device, world)
+    net = strategy.of(args.strategy).wrap(model, Task(None, None), device, "fp32", dist.get_world_size())
     cfg = TrainConfig(schedule="constant", lr=1e-4)
     optimizer = make_optimizer(cfg, model.parameters(), device)
     scheduler = make_scheduler(cfg, optimizer, 10**9)
@@ -115,54 +109,75 @@ def memory(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 def checkpoint_stall(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Median stall of sharded saves, synchronous and asynchronous, on this rank."""
-    from ddp_slurm.train import state
-    from ddp_slurm.train.checkpoint import sharded as ckpt_sharded
+    from types import SimpleNamespace
+
+    from ddp_slurm.train.checkpoint import listing, sharded
+    from ddp_slurm.train.checkpoint.backends import Sharded
     from ddp_slurm.train.checkpoint.sharded_writer import ShardedCheckpointer
+    from ddp_slurm.train.checkpoint.state import Position
 
     model, optimizer, train_step = build(args, device)
     x = torch.randn(args.batch, args.width, device=device)
     y = torch.randn(args.batch, 1, device=device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pos = state.Position()
-
-    class NoTask:
-        def state_dict(self) -> dict[str, Any]:
-            return {}
+    backend = Sharded()
+    task = SimpleNamespace(state_dict=dict)  # no state of its own
+    run = SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        task=task,
+        pos=Position(),
+        device=device,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        seed=0,
+    )
 
     def steps(n: int) -> float:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(n):
             train_step((x, y)).item()
-            pos.advance()
+            run.pos.advance()
         return time.perf_counter() - start
+
+    def capture() -> Any:
+        return backend.capture(run, False, 0.0, {})
 
     steps(3)
     out: dict[str, Any] = {}
     for mode in ("sync", "async"):
-        ckpt = ShardedCheckpointer(args.dir / mode, keep=2, enabled=mode == "async")
+        paths = RunPaths(args.dir / mode)
+
+        def keep_two(newest: Path, paths: RunPaths = paths) -> None:  # every folder here is this benchmark's
+            listing.prune(
+                backend.candidates(paths),
+                2,
+                newest,
+                summary_of=backend.summary,
+                judge=lambda c, s: "",
+                remove=sharded.remove,
+            )
+
+        ckpt = ShardedCheckpointer(paths, enabled=mode == "async", prune=keep_two)
         stalls, calls = [], []
         for _ in range(args.rounds):
             quiet = steps(args.steps)
             dist.barrier()
             start = time.perf_counter()
-            snap = ckpt_sharded.capture(model, optimizer, scheduler, NoTask(), pos, False, 0.0, {}, device, rank, world)
-            ckpt.save(snap)
+            ckpt.save(capture())
             call = time.perf_counter() - start
             beside = steps(args.steps) if mode == "async" else quiet
             ckpt.wait()
             calls.append(call)
             stalls.append(call + max(0.0, beside - quiet))
         if mode == "async":  # a stop right after a save handed its write over: the worst moment
-            ckpt.save(
-                ckpt_sharded.capture(model, optimizer, scheduler, NoTask(), pos, False, 0.0, {}, device, rank, world)
-            )
+            ckpt.save(capture())
             start = time.perf_counter()
             train_step((x, y)).item()  # the step the ranks stop after
-            pos.advance()
-            snap = ckpt_sharded.capture(model, optimizer, scheduler, NoTask(), pos, False, 0.0, {}, device, rank, world)
-            ckpt.save(snap, urgent=True)  # waits for the write in flight, then writes the stop step
+            run.pos.advance()
+            ckpt.save(capture(), urgent=True)  # waits for the write in flight, then writes the stop step
             ckpt.wait()
             dist.barrier()
             out["stop_to_durable_s"] = time.perf_counter() - start
