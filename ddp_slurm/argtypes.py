@@ -21,8 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from ddp_slurm import safefs
-from ddp_slurm.distributed import hostmem
+from ddp_slurm import hostmem, safefs
 from ddp_slurm.exitcodes import EXIT_USAGE
 
 MAX_TIMEOUT_S = 1e7  # as dist.timeout_s: beyond it, timers and timedeltas overflow

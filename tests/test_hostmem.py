@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from conftest import base_env
 
-from ddp_slurm.distributed import hostmem
+from ddp_slurm import hostmem
 
 FAULTS = textwrap.dedent("""
     import json, os, resource, sys
@@ -20,7 +20,7 @@ FAULTS = textwrap.dedent("""
     from ddp_slurm.train import loader
     from ddp_slurm.tasks.mnist import data
     from ddp_slurm.train.optim import make_optimizer, make_scheduler
-    from ddp_slurm.distributed import hostmem
+    from ddp_slurm import hostmem
     from ddp_slurm.tasks.mnist import models
 
     kept = hostmem.keep_freed_memory(os.environ) if sys.argv[1] == "keep" else False

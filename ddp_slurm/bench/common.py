@@ -78,7 +78,7 @@ def resolve_device(name: str) -> torch.device:
 def set_threads(requested: int | None) -> int:
     """Intra-op threads: ``requested``, else what ``ddp_slurm.train`` would use for one process; and
     malloc kept from returning freed memory to the OS, as ``ddp_slurm.train`` does (see hostmem)."""
-    from ddp_slurm.distributed import hostmem
+    from ddp_slurm import hostmem
 
     hostmem.keep_freed_memory(os.environ)
     if requested is not None:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ddp_slurm.distributed import hostmem, rdzv
+from ddp_slurm import hostmem
+from ddp_slurm.distributed import rdzv
 from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError, _int
 
 if TYPE_CHECKING:

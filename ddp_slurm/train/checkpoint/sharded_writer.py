@@ -6,10 +6,11 @@ verifying, is ``sharded.py``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,50 @@ from ddp_slurm.train.checkpoint.sharded import commit, file_seal, fresh_partial,
 log = logging.getLogger(__name__)
 
 
+class _Recording:
+    """A stream that keeps the first OSError of a write: torch's zip writer turns a failed write (ENOSPC,
+    EIO) into "unexpected pos 704 vs 598" and loses the reason (as ``seal.Sink`` does for whole files)."""
+
+    def __init__(self, stream: Any, errors: list[OSError]) -> None:
+        self._stream, self._errors = stream, errors
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as exc:
+            self._errors.append(exc)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _RecordingFS:
+    """DCP's file system with every stream opened for writing a ``_Recording`` one."""
+
+    def __init__(self, fs: Any, errors: list[OSError]) -> None:
+        self._fs, self._errors = fs, errors
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self._fs.create_stream(path, mode) as stream:
+            yield _Recording(stream, self._errors) if "w" in mode else stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
 def _writer_class() -> type:
     from torch.distributed.checkpoint import FileSystemWriter
 
     class SealingWriter(FileSystemWriter):
-        """DCP's file writer, which also seals the files this rank wrote once they are fsynced."""
+        """DCP's file writer, which also seals the files this rank wrote once they are fsynced, and keeps
+        the OSErrors its writes met (``errors``)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.errors: list[OSError] = []
+            self.fs = _RecordingFS(self.fs, self.errors)
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             fut = super().write_data(plan, planner)
@@ -104,14 +144,16 @@ class ShardedCheckpointer:
             try:
                 dcp.save(shards, storage_writer=writer, process_group=self.group)
             except FAILED as exc:  # DCP's CheckpointException: every rank gets it, with each rank's reason
-                self._error = f"cannot write checkpoint {final}: {unwrap(exc)}; previous checkpoints are intact"
+                self._error = (
+                    f"cannot write checkpoint {final}: {_reason(exc, writer)}; previous checkpoints are intact"
+                )
                 return self._collect()
-            self._finish(None, partial, final, record)
+            self._finish(None, partial, final, record, writer)
             return self._collect()
         future = dcp.async_save(shards, storage_writer=writer, process_group=self.group, async_stager=self._stage())
         future = getattr(future, "upload_completion", future)  # AsyncSaveResponse where staging is asynchronous
         self._thread = threading.Thread(
-            target=self._finish, args=(future, partial, final, record), name=f"ckpt-sharded-{step}"
+            target=self._finish, args=(future, partial, final, record, writer), name=f"ckpt-sharded-{step}"
         )
         self._thread.start()
         return None
@@ -125,7 +167,9 @@ class ShardedCheckpointer:
             self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
         return self._stager
 
-    def _finish(self, future: Future | None, partial: Path, final: Path, record: dict[str, Any] | None) -> None:
+    def _finish(
+        self, future: Future | None, partial: Path, final: Path, record: dict[str, Any] | None, writer: Any
+    ) -> None:
         try:
             if future is not None:
                 future.result()
@@ -137,7 +181,7 @@ class ShardedCheckpointer:
         except CheckpointError as exc:
             self._error = str(exc)
         except BaseException as exc:  # kept for the training thread
-            self._error = f"cannot write checkpoint {final}: {unwrap(exc)}; previous checkpoints are intact"
+            self._error = f"cannot write checkpoint {final}: {_reason(exc, writer)}; previous checkpoints are intact"
         finally:
             self._done_at = time.monotonic()
 
@@ -174,3 +218,10 @@ class ShardedCheckpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _reason(exc: BaseException, writer: Any) -> str:
+    """Why a sharded write failed: the first OSError a write met (its reason, "No space left on device"),
+    else the reason inside DCP's exception."""
+    first = next((e for e in getattr(writer, "errors", []) if e.strerror), None)
+    return first.strerror if first is not None else unwrap(exc)

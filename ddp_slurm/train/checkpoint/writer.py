@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 
 from ddp_slurm import safefs
-from ddp_slurm.distributed.hostmem import available_memory
+from ddp_slurm.hostmem import available_memory
 from ddp_slurm.train.checkpoint import format as checkpoint
 from ddp_slurm.train.checkpoint.snapshot import Snapshotter, on_gpu, state_bytes
 
