@@ -10,7 +10,7 @@ import sys
 
 from ddp_slurm import argtypes
 from ddp_slurm.bench import __doc__ as PACKAGE_DOC
-from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_USAGE, exit_now
+from ddp_slurm.exitcodes import EXIT_FAILURE, exit_now
 from ddp_slurm.text import plain
 
 # Benchmark modules import torch: only the chosen one is imported, so `--help` answers at once.
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = module.measure(args, threads)
     except common.BenchError as exc:
         print(f"ddp_slurm.bench {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.exit_code
     except OSError as exc:  # its scratch folder cannot be made (the working directory is read-only, full, ...)
         print(f"ddp_slurm.bench {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from ddp_slurm import safefs, text
+from ddp_slurm import errors, safefs, text
 from ddp_slurm.distributed.env import RENDEZVOUS_VARS, TORCHRUN_LAYOUT_VARS
 from ddp_slurm.train.ddp import wrap_ddp
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 
-class BenchError(RuntimeError):
+class BenchError(errors.UsageError):
     """A benchmark that cannot run as asked; the message says why and what to do (exit 2)."""
 
 
