@@ -43,7 +43,7 @@ standard = hooks.standard
 
 def with_recorder(run, dog=None):
     found = standard(run, dog)
-    found.hooks.append(Recorder(run))  # the one line of registration
+    found.add(Recorder(run))  # the one line of registration (in hooks.standard's list, for the package's own)
     return found
 
 
