@@ -3,8 +3,10 @@
 Your own model: subclass ``ddp_slurm.Task`` (docs/tasks.md) and train it with
 ``python -m ddp_slurm.train task=my_project.tasks:Digits`` or ``ddp_slurm.run(Digits, overrides)``.
 
-Layout: dist (who am I, process group), train (the runtime: task interface, loop, step, state,
-checkpoints, signals), tasks (mnist), launch (submit, torchrun wrapper), tools (doctor, report), bench.
+Layout (docs/architecture.md): launch (submit, the local launcher) and bench on top; tools (doctor, report);
+train (the runtime: task interface, loop, strategy, checkpoints, hooks, signals) and tasks (mnist);
+distributed (which rank am I, the process group, the watchdog) and slurmjob (the Slurm job around it);
+config; and the torch-free base (errors, exit codes, run directory paths, safe files).
 """
 
 from __future__ import annotations

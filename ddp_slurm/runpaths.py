@@ -2,7 +2,7 @@
 
 ``<run.output_root>/<run.name>/`` holds what training, the launchers and the tools share::
 
-    config.yaml      the resolved config (rundir.prepare writes it; a resume compares against it)
+    config.yaml      the resolved config (rundir.take writes it; a resume compares against it)
     metrics.jsonl    rank 0's records, one JSON object per line (train/metrics.py)
     checkpoints/     step-<N>.pt (ddp) or step-<N>/ (fsdp, a folder of shards, written as
                      .step-<N>.partial/ and renamed when committed); the last checkpoint.keep kept
