@@ -42,14 +42,6 @@ def minutes(text: str | int) -> int | None:
     return math.ceil(total / 60)
 
 
-def is_valid(text: str) -> bool:
-    try:
-        minutes(text)
-    except ValueError:
-        return False
-    return True
-
-
 def format_minutes(total: int | None) -> str:
     """1590 -> ``"1-02:30:00"``, 90 -> ``"01:30:00"``, None -> ``"UNLIMITED"`` (what scontrol prints)."""
     if total is None:

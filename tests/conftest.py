@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,25 @@ def fresh_copy(dest: Path) -> Path:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
     return dest
+
+
+def bounded_memory() -> None:
+    """A child's address space capped at 4 GiB: a read of ``/dev/zero`` planted for a file fails instead of
+    taking the machine (``preexec_fn``)."""
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def run_bounded(cwd: Path, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m <argv>`` in ``cwd`` with a clean environment and ``bounded_memory``."""
+    return subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=cwd,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=bounded_memory,
+    )
 
 
 @dataclass

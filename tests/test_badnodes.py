@@ -5,13 +5,11 @@ planted or damaged record is never written through, never blocks, never reaches 
 from __future__ import annotations
 
 import os
-import resource
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import Launcher, base_env
+from conftest import Launcher, run_bounded
 
 from ddp_slurm import safefs
 from ddp_slurm.distributed.watchdog import PeerLost, Watchdog
@@ -77,10 +75,6 @@ def plant(lost_nodes: Path, what: str, victim: Path) -> None:
         lost_nodes.write_text("node1;touch pwned\t41\t0\t2024-01-01T00:00:00\t0\tlost\n")
 
 
-def bounded_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-
-
 @pytest.mark.parametrize("what", ["symlink", "dev-zero", "fifo", "directory"])
 def test_a_surviving_rank_warns_once_and_goes_on_when_lost_nodes_is_planted(
     tmp_path: Path, launcher: Launcher, what: str
@@ -105,15 +99,7 @@ def test_submit_refuses_a_planted_lost_nodes_in_one_line(launcher: Launcher, wha
     run_dir.mkdir(parents=True)
     plant(run_dir / "lost_nodes", what, victim)
     before = sorted(p.name for p in run_dir.iterdir())
-    res = subprocess.run(
-        [sys.executable, "-m", "ddp_slurm.submit", "--dry-run", "--name", "r"],
-        cwd=launcher.cwd,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=bounded_memory,
-    )
+    res = run_bounded(launcher.cwd, "ddp_slurm.submit", "--dry-run", "--name", "r")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stdout, res.stderr)
     assert f"{run_dir / 'lost_nodes'}" in lines[0] and "remove it" in lines[0], lines[0]

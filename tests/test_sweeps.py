@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import base_env
+from conftest import run_bounded
 
 from ddp_slurm.tools import sweeps
 
@@ -48,10 +45,6 @@ DAMAGED = {
 PLANTED = ("fifo", "dev-zero", "directory", "symlink")
 
 
-def bounded_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a /dev/zero read fails instead of taking the machine
-
-
 @pytest.mark.parametrize("command", ["report", "summary"])
 @pytest.mark.parametrize("kind", [*DAMAGED, *PLANTED])
 def test_a_damaged_or_planted_manifest_is_one_line(tmp_path: Path, command: str, kind: str) -> None:
@@ -75,15 +68,7 @@ def test_a_damaged_or_planted_manifest_is_one_line(tmp_path: Path, command: str,
         if command == "report"
         else ["ddp_slurm.submit", "--summary", "sw"]
     )
-    res = subprocess.run(
-        [sys.executable, "-m", *argv],
-        cwd=tmp_path,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=bounded_memory,
-    )
+    res = run_bounded(tmp_path, *argv, timeout=120)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stdout, res.stderr[-3000:])
     assert "sw/sweep.json" in lines[0] and ("move it away" in lines[0] or "remove it" in lines[0]), lines[0]
@@ -100,14 +85,6 @@ def test_summary_of_a_sweep_whose_run_has_a_planted_metrics_file_says_pending(tm
         os.mkfifo(metrics)
     else:
         metrics.symlink_to("/dev/zero")
-    res = subprocess.run(
-        [sys.executable, "-m", "ddp_slurm.submit", "--summary", "sw"],
-        cwd=tmp_path,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=bounded_memory,
-    )
+    res = run_bounded(tmp_path, "ddp_slurm.submit", "--summary", "sw")
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[-1].split()[:3] == ["lr=1", "1", "pending"], res.stdout

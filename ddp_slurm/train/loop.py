@@ -68,7 +68,8 @@ def train(
     # be had stops the launch with nothing created.
     on_rank0(env, task.prepare_data)
     run = build(cfg, task, env, device, strategy.of(cfg.dist.strategy))
-    template = fit.of_task(task, cfg.train)
+    # the run's structure a checkpoint must fit: built on the meta device, on rank 0 only (the one that judges)
+    template = fit.of_task(task, cfg.train) if env.rank == 0 else None
     ckpt = Checkpointer(
         cfg.checkpoint,
         cfg.paths,
@@ -89,7 +90,7 @@ def train(
         if found is None:
             return None, None, cfg.run.init_from
         kept["record"] = found[1]
-        summary = found[1]["step"], found[1]["finished"], found[1].get("best", found[1].get("best_accuracy"))
+        summary = found[1]["step"], found[1]["finished"], found[1]["best"]  # the gate checked all three
         return found[0], summary, cfg.run.init_from
 
     try:

@@ -27,7 +27,7 @@ from ddp_slurm.config import Config
 from ddp_slurm.errors import UsageError
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.checkpoint import fit, gate, sharded
-from ddp_slurm.train.checkpoint.backends import Backend, Sharded, WholeFile
+from ddp_slurm.train.checkpoint.backends import BACKENDS, backend_at
 from ddp_slurm.train.checkpoint.format import CheckpointError
 
 log = logging.getLogger("ddp_slurm")
@@ -53,7 +53,7 @@ def _source(spec: str, shared: bool, rules: list[gate.Accept], template: fit.Tem
             f"{what}: no such run directory or checkpoint file; give runs/<name> or one of its checkpoints"
         )
     else:
-        backend = Sharded() if path.is_dir() else WholeFile()
+        backend = backend_at(path)
         try:
             record = backend.read(path)
         except ValueError as exc:
@@ -70,13 +70,13 @@ def _source(spec: str, shared: bool, rules: list[gate.Accept], template: fit.Tem
     return path
 
 
-def locate(cfg: Config, reference: dict[str, Any], template: fit.Template) -> str | None:
+def locate(cfg: Config, reference: dict[str, Any], template: fit.Template | None) -> str | None:
     """Rank 0, before the run directory is taken: the checkpoint this new run starts from, checked against
     the model (``reference``: its state dict's names and shapes) and, with ``run.init_optimizer``, the
     optimizer's structure (``template``); or None (no ``run.init_from``, or the run directory has
     checkpoints of its own: they win)."""
     own = RunPaths(cfg.run_dir)
-    if not cfg.run.init_from or any(b.candidates(own) for b in (WholeFile(), Sharded())):
+    if not cfg.run.init_from or any(b.candidates(own) for b in BACKENDS):
         return None
     rules: list[gate.Accept] = [gate.same_model(reference)]
     if cfg.run.init_optimizer:
@@ -108,7 +108,7 @@ def load_into(cfg: Config, run: Any) -> dict[str, Any]:
     (built over its own steps) is the one that runs.
     """
     path = Path(cfg.run.init_from)
-    backend: Backend = Sharded() if path.is_dir() else WholeFile()
+    backend = backend_at(path)
     try:
         whole = backend.load_whole(path, backend.read(path, verify=False))
     except ValueError as exc:

@@ -56,7 +56,6 @@ class Backend:
     """The interface (see the module docstring); ``name`` is the ``dist.strategy`` that writes it."""
 
     name: ClassVar[str]
-    what: ClassVar[str]  # "files" / "folders of shards", for messages
     extra: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}  # record keys the schema checks too
 
     def candidates(self, paths: RunPaths) -> list[tuple[int, Path]]:
@@ -129,7 +128,7 @@ def _rest(record: dict[str, Any], run: Objects, what: str, where: str) -> Positi
 
 
 class WholeFile(Backend):
-    name, what = "ddp", "files"
+    name = "ddp"
     extra = {
         "model": (lambda v: isinstance(v, dict), "a state dict"),
         "optimizer": (lambda v: isinstance(v, dict), "a state dict"),
@@ -201,7 +200,7 @@ class WholeFile(Backend):
 
 
 class Sharded(Backend):
-    name, what = "fsdp", "folders of shards"
+    name = "fsdp"
     extra = {
         "model_shapes": (lambda v: isinstance(v, dict) and bool(v), "a mapping of tensor shapes"),
         "world_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a count of ranks"),
@@ -297,3 +296,8 @@ class Sharded(Backend):
 
 
 BACKENDS: tuple[Backend, ...] = (WholeFile(), Sharded())
+
+
+def backend_at(path: Path) -> Backend:
+    """The backend of one checkpoint named by its path: a folder of shards, or a whole file."""
+    return Sharded() if path.is_dir() else WholeFile()
