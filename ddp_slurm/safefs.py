@@ -49,12 +49,13 @@ def modes(shared: bool) -> tuple[int, int]:
     return (SHARED_DIR_MODE, SHARED_FILE_MODE) if shared else (DIR_MODE, FILE_MODE)
 
 
-def make_dir(path: Path, shared: bool = False) -> None:
-    """Create ``path`` (and missing parents) with the run's directory mode; an existing entry must be a
-    real directory, not a symlink to one."""
+def make_dir(path: Path, shared: bool = False, parents: bool = True) -> None:
+    """Create ``path`` (and, with ``parents``, missing parents) with the run's directory mode; an existing
+    entry must be a real directory, not a symlink to one. ``parents=False``: FileNotFoundError when the
+    parent is gone (a checkpoints folder never brings back a run directory deleted under the run)."""
     path = Path(path)
     dir_mode, _ = modes(shared)
-    if not path.parent.exists():
+    if parents and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)  # output_root: the umask's mode, like any mkdir -p
     try:
         os.mkdir(path, dir_mode)

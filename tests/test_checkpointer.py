@@ -108,6 +108,7 @@ def checkpointer(tmp_path: Path, *overrides: str, shared: bool = False) -> check
         world_size=1,
         seed=0,
     )
+    cfg.run_dir.mkdir(parents=True)  # taken by rundir.take before any save, in a real run
     return checkpoint.Checkpointer(cfg.checkpoint, RunPaths(cfg.run_dir, shared), WholeFile(), run, cfg)
 
 

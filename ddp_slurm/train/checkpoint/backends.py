@@ -190,6 +190,7 @@ class WholeFile(Backend):
             shared=paths.shared,
             stop_pending=stop_pending,
             prune=prune,
+            parents=False,
         )
 
     def writes(self, run: Objects, write: Callable[[], Any]) -> Any:

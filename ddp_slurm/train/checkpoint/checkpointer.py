@@ -27,7 +27,7 @@ from typing import Any
 from ddp_slurm import errors
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import fit, gate, listing, sharded
+from ddp_slurm.train.checkpoint import fit, format, gate, listing, sharded
 from ddp_slurm.train.checkpoint.backends import Backend, Objects
 from ddp_slurm.train.checkpoint.format import CheckpointError
 from ddp_slurm.train.checkpoint.state import Position
@@ -63,7 +63,7 @@ class Checkpointer:
         self.every_steps, self.paths, self.backend, self.run, self.cfg = section.every_steps, paths, backend, run, cfg
         self.keep = section.keep
         self.saved_step = -1  # the step of the newest checkpoint saved or restored by this launch
-        self._root: tuple[int, int] | None = None  # the run directory's (device, inode) at the last save
+        self._root: tuple[int, int] | None = None  # the run directory's (device, inode), from the first save on
         self.reference = {k: tuple(v) for k, v in sharded.model_shapes(run.model).items()}
         self.gate = gate.Gate(
             backend, paths, [gate.same_config(cfg), gate.same_model(self.reference)], template=template
@@ -123,7 +123,6 @@ class Checkpointer:
             return self._writer.save(snapshot, urgent=urgent)
 
         path = self.backend.writes(self.run, write)
-        self._root = _identity(self.paths.root)
         self.saved_step = step
         if path is not None:
             log.info("checkpoint %s", path)
@@ -144,13 +143,14 @@ class Checkpointer:
     def _same_run_dir(self, step: int) -> None:
         """CheckpointError when the run directory of the previous save is gone or another one: deleted or
         moved while training. Saving on would recreate it bare (no config, metrics or lock) and the run
-        would end "finished" in a directory nobody looks at."""
-        if self._root is not None and _identity(self.paths.root) != self._root:
-            raise CheckpointError(
-                f"cannot write checkpoint {self.paths.checkpoint(step)}: the run directory {self.paths.root} is "
-                "gone (deleted or moved while the run was training); stopping without recreating it: restore it "
-                "or launch again to start over"
-            )
+        would end "finished" in a directory nobody looks at. The identity is taken once, at the first save,
+        and never again: taken after every save, it could be taken while the directory was gone, or once a
+        background write had made a bare one in its place, and the loss would go unseen."""
+        now = _identity(self.paths.root)
+        if self._root is None:
+            self._root = now
+        if now is None or now != self._root:
+            raise format.gone(self.paths.root, self.paths.checkpoint(step))
 
     @property
     def failed(self) -> bool:

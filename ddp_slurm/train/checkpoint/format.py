@@ -115,6 +115,7 @@ def save(
     cancel: threading.Event | None = None,
     seen: dict[Any, Any] | None = None,
     prune: Callable[[Path], None] | None = None,
+    parents: bool = True,
 ) -> Path:
     """Write ``state`` as ``step-<state['step']>.pt`` atomically, then prune to the newest ``keep``.
 
@@ -125,7 +126,8 @@ def save(
     the save stops before its next 16 MiB slice and raises Cancelled, leaving nothing behind.
     ``seen``: ``prune``'s memory of files already judged, kept by the caller across saves. ``prune(path)``:
     the caller's pruning instead (the checkpointer's, which judges by the run's live config); without it,
-    files are judged against the config and model of the file just written.
+    files are judged against the config and model of the file just written. ``parents=False`` (the
+    training run's writer): a run directory that is gone is not made again; the save fails with ``gone``.
     """
     folder = checkpoint_dir(run_dir)
     final = folder / file_name(state["step"])
@@ -142,11 +144,13 @@ def save(
         sink.seal()
 
     try:
-        safefs.make_dir(folder, shared)
+        safefs.make_dir(folder, shared, parents=parents)
         safefs.write_atomic(final, write, shared)
     except (OSError, RuntimeError, safefs.UnsafePath) as exc:  # torch.save reports a failed write as a RuntimeError
         if cancel is not None and cancel.is_set():
             raise Cancelled from None
+        if not parents and not os.path.isdir(run_dir):
+            raise gone(run_dir, final) from None
         exc = sinks[0].error if sinks and sinks[0].error is not None else exc
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
         raise CheckpointError(
@@ -166,6 +170,15 @@ def save(
             seen=seen,
         )
     return final
+
+
+def gone(run_dir: Path, what: Path) -> CheckpointError:
+    """The one line for a run directory deleted or moved while the run trains: saving on would recreate it
+    bare (no config, metrics or lock) and the run would end "finished" in a directory nobody looks at."""
+    return CheckpointError(
+        f"cannot write checkpoint {what}: the run directory {run_dir} is gone (deleted or moved while the run was "
+        "training); stopping without recreating it: restore it or launch again to start over"
+    )
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:

@@ -131,7 +131,7 @@ class ShardedCheckpointer:
         made: list[Any] = [None]
         if self.rank == 0:
             try:
-                safefs.make_dir(self.paths.checkpoints, self.shared)
+                safefs.make_dir(self.paths.checkpoints, self.shared, parents=False)
                 fresh_partial(partial, self.shared)
             except (OSError, safefs.UnsafePath) as exc:
                 made[0] = f"cannot write checkpoint {final}: {getattr(exc, 'strerror', None) or exc}"

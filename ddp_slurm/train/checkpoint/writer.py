@@ -207,9 +207,12 @@ class AsyncCheckpointer:
         shared: bool = False,
         stop_pending: Callable[[], bool] | None = None,
         prune: Callable[[Path], None] | None = None,
+        parents: bool = True,
     ) -> None:
-        """``prune(newest)``: after each durable write, the caller's pruning (``format.save``'s own without)."""
+        """``prune(newest)``: after each durable write, the caller's pruning (``format.save``'s own without).
+        ``parents=False``: the run directory exists (a training run took it), and one gone is not made again."""
         self.run_dir, self.keep, self.enabled, self.shared = Path(run_dir), keep, enabled, shared
+        self.parents = parents
         self.stop_pending, self.prune = stop_pending, prune
         self.writer: Writer = writer or "thread"
         self.on_durable = on_durable
@@ -244,7 +247,9 @@ class AsyncCheckpointer:
         step = int(state["step"])
         if not self.enabled or not self._fits(state):
             return self._durable(
-                checkpoint.save(self.run_dir, state, self.keep, self.shared, seen=self._seen, prune=self.prune),
+                checkpoint.save(
+                    self.run_dir, state, self.keep, self.shared, seen=self._seen, prune=self.prune, parents=self.parents
+                ),
                 time.monotonic(),
             )
         if self.writer == "process":
@@ -254,7 +259,7 @@ class AsyncCheckpointer:
                 for event in events:
                     event.synchronize()
             target = lambda: checkpoint.save(  # noqa: E731
-                self.run_dir, frozen, self.keep, self.shared, seen=self._seen, prune=self.prune
+                self.run_dir, frozen, self.keep, self.shared, seen=self._seen, prune=self.prune, parents=self.parents
             )
             self._write = _ProcessWrite(step, target, 0 if urgent else WRITER_NICE)
         else:
@@ -262,7 +267,14 @@ class AsyncCheckpointer:
             self._write = _ThreadWrite(
                 step,
                 lambda cancel: checkpoint.save(
-                    self.run_dir, snap, self.keep, self.shared, cancel, self._seen, prune=self.prune
+                    self.run_dir,
+                    snap,
+                    self.keep,
+                    self.shared,
+                    cancel,
+                    self._seen,
+                    prune=self.prune,
+                    parents=self.parents,
                 ),
                 events,
             )
