@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_slurm import safefs
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
@@ -160,6 +161,9 @@ def checkpoint_stall(args: argparse.Namespace, device: torch.device) -> dict[str
                 remove=sharded.remove,
             )
 
+        if dist.get_rank() == 0:  # the run directory a training run takes first; its writers never make one
+            safefs.make_dir(paths.root)
+        dist.barrier()
         ckpt = ShardedCheckpointer(paths, enabled=mode == "async", prune=keep_two)
         stalls, calls = [], []
         for _ in range(args.rounds):
