@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_slurm.distributed.groups import NCCL_SHAPED
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -36,6 +38,9 @@ def base_env(**extra: str) -> dict[str, str]:
         not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Every multi-rank run of the suite meets a default group shaped like NCCL's: a collective the runtime
+    # left on it with a host tensor fails here as it would on GPUs (ddp_slurm/distributed/groups.py).
+    env[NCCL_SHAPED] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     # test scripts run as child processes import the shared helpers (tests/helpers.py) too
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH")) if p)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ddp_slurm import config
 from ddp_slurm.bootstrap import DistEnv
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.checkpoint import state as state_mod
@@ -164,6 +165,7 @@ def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
             device=torch.device("cpu"),
             rank=env.rank,
             world_size=env.world_size,
+            groups=Groups(),
         )
         snapshot = WholeFile().capture(run, False, 1.0, {"config": cfg.to_dict()})
         checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep)

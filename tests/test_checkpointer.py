@@ -21,6 +21,7 @@ import torch
 from conftest import Launcher
 
 from ddp_slurm import config
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
@@ -107,6 +108,7 @@ def checkpointer(tmp_path: Path, *overrides: str, shared: bool = False) -> check
         rank=0,
         world_size=1,
         seed=0,
+        groups=Groups(),
     )
     cfg.run_dir.mkdir(parents=True)  # taken by rundir.take before any save, in a real run
     return checkpoint.Checkpointer(cfg.checkpoint, RunPaths(cfg.run_dir, shared), WholeFile(), run, cfg)

@@ -192,3 +192,68 @@ def test_kill9_during_a_sharded_write_leaves_the_previous_checkpoint(launches: l
     again = run_to_end(launches, tmp_path, 2, args)
     assert_resumed_from(again, newest)
     assert not list(folder.glob(".*"))
+
+
+RESNET_TASK = '''
+import torch
+import torch.nn.functional as F
+import torchvision
+
+from ddp_slurm import Task, Tensors
+
+
+class ResNet(Task):
+    """torchvision's resnet18 (batch norm throughout) on random 32x32 images; one FSDP unit per stage."""
+
+    best_metric = "accuracy"
+
+    def build_model(self):
+        return torchvision.models.resnet18(num_classes=10)
+
+    def shard_units(self, model):
+        return [model.layer1, model.layer2, model.layer3, model.layer4]
+
+    def images(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    def train_data(self):
+        return Tensors(*self.images(256, 0))
+
+    def training_step(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def eval_data(self):
+        return Tensors(*self.images(32, 1))
+
+    def eval_step(self, model, batch):
+        x, y = batch
+        return {"accuracy": (model(x).argmax(1) == y).float()}
+'''
+
+
+def test_batch_norm_statistics_resume_exactly_under_fsdp(launches: list[Launch], tmp_path: Path) -> None:
+    """A model nobody here wrote (torchvision's resnet18, 20 batch-norm layers) at 2 ranks under fsdp,
+    SIGUSR2 mid-run and a relaunch: the weights, the optimizer state and every batch-norm running statistic
+    end bit-identical to the run left alone. Each rank's statistics evolve on its own batches; rank 0's are
+    the model's, as under ddp (every rank takes them before a save and an evaluation)."""
+    (tmp_path / "ref").mkdir()
+    args = ["task=resnet_task.py:ResNet", "dist.strategy=fsdp", "train.global_batch_size=16", "train.epochs=1"]
+    args += ["train.log_every_steps=1", "checkpoint.every_steps=4", "checkpoint.keep=100", "run.name=r"]
+    for where in (tmp_path, tmp_path / "ref"):
+        (where / "resnet_task.py").write_text(RESNET_TASK)
+    reference = run_to_end(launches, tmp_path / "ref", 2, args)
+    final = checkpoint.load_latest(reference.run_dir)
+    assert final is not None and final["step"] == 16
+    assert sum(k.endswith("running_mean") for k in final["model"]) == 20
+
+    first = start(launches, tmp_path, 2, args)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("training to pass step 5", lambda r: r["kind"] == "train" and r["step"] >= 5)
+    first.signal(1, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    assert 5 <= stop < 16
+    second = run_to_end(launches, tmp_path, 2, args)
+    assert_resumed_from(second, stop)
+    assert_same_state(first.run_dir, reference.run_dir)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ddp_slurm import config
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import rundir, runname
 from ddp_slurm.train.checkpoint import Checkpointer
@@ -50,7 +51,7 @@ def test_a_directory_without_checkpoints_takes_new_settings(tmp_path: Path, firs
         lock = rundir.RunLock(cfg.paths)
         model = models.build("mlp")
         optimizer = make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
-        run = SimpleNamespace(model=model, optimizer=optimizer, rank=0, world_size=1)
+        run = SimpleNamespace(model=model, optimizer=optimizer, rank=0, world_size=1, groups=Groups())
         ckpt = Checkpointer(cfg.checkpoint, cfg.paths, WholeFile(), run, cfg)
         try:
             assert rundir.take(cfg, lock, ckpt) is None

@@ -194,10 +194,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def mnist_trainer(model_name: str, global_batch: int, rank: int, world: int, device: torch.device):
+def mnist_trainer(model_name: str, global_batch: int, rank: int, world: int, device: torch.device, group: Any = None):
     """(model, step, step on the bare model, batches) built the way ``ddp_slurm.train`` builds them for
     the MNIST task on the bundled sample: the task's loss, the runtime's optimizer, schedule, DDP
-    wrapper and in-memory batches (an endless iterator over epochs)."""
+    wrapper (over ``group``, the training group) and in-memory batches (an endless iterator over epochs)."""
     from ddp_slurm import config
     from ddp_slurm.tasks.mnist import MNIST
     from ddp_slurm.train import loader, step
@@ -212,7 +212,7 @@ def mnist_trainer(model_name: str, global_batch: int, rank: int, world: int, dev
     model = task.build_model().to(device)
     optimizer = make_optimizer(cfg.train, model.parameters(), device)
     scheduler = make_scheduler(cfg.train, optimizer, 10**9)  # its length does not change the cost
-    net = wrap_ddp(model, device, world, settle=True)
+    net = wrap_ddp(model, device, world, settle=True, group=group)
     train_step = step.make_step(net, optimizer, scheduler, task.training_step, device, cfg.train.precision)
     # The same step on the module inside DDP: DDP's hooks stay idle when its forward is bypassed.
     bare = step.make_step(model, optimizer, scheduler, task.training_step, device, cfg.train.precision)

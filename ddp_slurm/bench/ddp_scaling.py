@@ -36,6 +36,7 @@ import torch
 from ddp_slurm.bench import common, flags
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import distributed
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train.signals import StopFlag
@@ -185,8 +186,9 @@ def worker(argv: list[str]) -> int:
         if args.device == "cpu":
             device = torch.device("cpu")  # a GPU machine benchmarking its CPUs
         B, ws = args.batch, env.world_size
-        model, _, step, bare, batches = common.mnist_trainer(args.model, B * ws, env.rank, ws, device)
-        votes = StopVote(StopFlag(), ws, device)  # no handlers: nobody signals a benchmark
+        groups = Groups.make(device)  # as the training loop names them
+        model, _, step, bare, batches = common.mnist_trainer(args.model, B * ws, env.rank, ws, device, groups.train)
+        votes = StopVote(StopFlag(), ws, device, group=groups.train)  # no handlers: nobody signals a benchmark
         if env.rank == 0:  # the 1-rank run: its own model, no DDP, as ddp_slurm.train trains one process
             _, _, solo, _, solo_batches = common.mnist_trainer(args.model, B, 0, 1, device)
             solo_votes = StopVote(StopFlag(), 1, device)
@@ -200,13 +202,13 @@ def worker(argv: list[str]) -> int:
                 vote.settle()
 
         def window(fn, n: int, lone: bool = False) -> float:
-            dist.barrier()  # the ranks start each window together
+            dist.barrier(group=groups.host)  # the ranks start each window together
             if lone and env.rank != 0:
                 seconds = 0.0
             else:
                 seconds = common.timed(lambda: fn(n), device) / n
             if lone:
-                dist.barrier()  # rank 1 waits here, idle, while rank 0 trains alone
+                dist.barrier(group=groups.host)  # rank 1 waits here, idle, while rank 0 trains alone
             return seconds
 
         kinds = {
@@ -222,7 +224,7 @@ def worker(argv: list[str]) -> int:
                 times[name].append(window(fn, args.steps, lone))
         grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
         reps = 20
-        allreduce_s = window(lambda n: [dist.all_reduce(grads) for _ in range(n)], reps)
+        allreduce_s = window(lambda n: [dist.all_reduce(grads, group=groups.train) for _ in range(n)], reps)
         args.out.write_text(
             json.dumps(
                 {

@@ -31,6 +31,7 @@ import torch
 
 from ddp_slurm import argtypes
 from ddp_slurm.bench import common, flags, forecast_saved
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train.ddp import bucket_cap_mb
 
 DDP_FIRST_BUCKET = 1 << 20  # DDP's first bucket, then 25 MiB ones (torch's defaults)
@@ -128,13 +129,13 @@ def _window(fn, n: int, device: torch.device) -> float:
     return common.timed(lambda: [fn() for _ in range(n)], device) / n
 
 
-def _slowest(value: float, world: int) -> float:
+def _slowest(value: float, world: int, group: Any) -> float:
     import torch.distributed as dist
 
     if world == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # a host tensor: the host group
     return float(t.item())
 
 
@@ -154,7 +155,11 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
         )
     with distributed(env, "auto", timeout_s=300) as (device, backend):
         train = data.load_sample(train=True).to(device)
-        model, _, ddp_step, bare, batches = common.mnist_trainer(args.model, args.batch * ws, env.rank, ws, device)
+        groups = Groups.make(device)  # as the training loop names them
+        host = groups.host
+        model, _, ddp_step, bare, batches = common.mnist_trainer(
+            args.model, args.batch * ws, env.rank, ws, device, groups.train
+        )
         x, y = data.normalize(train.images[: args.batch]), train.labels[: args.batch]
 
         def forward() -> None:  # as in the step: autograd records the graph; backward is the rest
@@ -173,10 +178,13 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
             buf = torch.ones(size // 4, device=device)
             reps = max(3, min(20, (64 << 20) // size))
             if ws > 1:
-                dist.all_reduce(buf)
-                dist.barrier()
-            per_op = [_window(lambda: dist.all_reduce(buf) if ws > 1 else None, reps, device) for _ in range(3)]
-            allreduce.append(_slowest(statistics.median(per_op), ws))
+                dist.all_reduce(buf, group=groups.train)
+                dist.barrier(group=host)
+            per_op = [
+                _window(lambda: dist.all_reduce(buf, group=groups.train) if ws > 1 else None, reps, device)
+                for _ in range(3)
+            ]
+            allreduce.append(_slowest(statistics.median(per_op), ws, host))
         result = {
             "world_size": ws,
             "nodes": env.num_nodes,
@@ -185,16 +193,16 @@ def measure_ranks(args: argparse.Namespace) -> dict[str, Any] | None:
             "device": str(device),
             "model": args.model,
             "batch_per_rank": args.batch,
-            "compute_s": _slowest(statistics.median(compute), ws),
-            "forward_s": _slowest(statistics.median(fwd), ws),
-            "measured_step_s": _slowest(statistics.median(measured), ws) if ws > 1 else None,
+            "compute_s": _slowest(statistics.median(compute), ws, host),
+            "forward_s": _slowest(statistics.median(fwd), ws, host),
+            "measured_step_s": _slowest(statistics.median(measured), ws, host) if ws > 1 else None,
             "grad_bytes": grad_bytes,
             "buckets": buckets(grad_bytes, bucket_cap_mb(model)),
             "allreduce": [{"bytes": s, "s": t} for s, t in zip(sizes, allreduce)],
         }
         if ws > 1:
             result.update(fit(sizes, allreduce, ws))
-            dist.barrier()
+            dist.barrier(group=host)
     return result if env.rank == 0 else None
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_slurm import safefs
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
@@ -133,6 +134,7 @@ def checkpoint_stall(args: argparse.Namespace, device: torch.device) -> dict[str
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         seed=0,
+        groups=Groups.make(device),
     )
 
     def steps(n: int) -> float:
@@ -197,12 +199,15 @@ def checkpoint_stall(args: argparse.Namespace, device: torch.device) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
-    cuda = torch.cuda.is_available()
+    # Each rank its own GPU, or the CPUs for all: NCCL refuses two ranks on one GPU (2 ranks on a 1-GPU node)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     result = memory(args, device) if args.mode == "memory" else checkpoint_stall(args, device)
+    result["device"] = str(device)  # where it was measured, in the JSON beside the figures
     args.out.write_text(json.dumps(result))
     dist.barrier()
     return 0

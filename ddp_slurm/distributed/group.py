@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ddp_slurm import hostmem
-from ddp_slurm.distributed import rdzv
+from ddp_slurm.distributed import groups, rdzv
 from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError, _int
 
 if TYPE_CHECKING:
@@ -269,9 +269,10 @@ def init_distributed(
     fix_loopback_ifname(env, os.environ)
     timeout = timedelta(seconds=timeout_s)
     device_id = device if backend == "nccl" else None  # binds NCCL's communicator eagerly
+    made_with = groups.default_backend(backend)  # the test mode's NCCL-shaped gloo (see groups.py)
     if not env.is_distributed:
         dist.init_process_group(
-            backend,
+            made_with,
             store=dist.HashStore(),  # type: ignore[attr-defined]
             rank=0,
             world_size=1,
@@ -285,7 +286,7 @@ def init_distributed(
         # agent store where TORCHELASTIC_USE_AGENT_STORE says so, as torch's tcp:// would.
         store = rdzv.job_store(env, timeout, os.environ, stopped)
         dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, device_id=device_id
+            made_with, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, device_id=device_id
         )
     except RendezvousError:  # worded already (meet)
         raise
@@ -295,7 +296,7 @@ def init_distributed(
         "rank %d/%d joined %s process group at %s:%d on %s",
         env.rank,
         env.world_size,
-        backend,
+        backend if made_with == backend else f"{backend} ({made_with}, the NCCL-shaped test mode)",
         env.master_addr,
         env.master_port,
         device,
@@ -345,10 +346,11 @@ def distributed(
         shutdown()
 
 
-def on_rank0(env: DistEnv, fn: Callable[[], Any]) -> Any:
+def on_rank0(env: DistEnv, fn: Callable[[], Any], group: Any) -> Any:
     """Run ``fn`` on rank 0 and hand its result (or its exception) to every rank.
 
-    The result travels pickled through the process group: keep it small (a path, not a checkpoint).
+    The result travels pickled through ``group``, the host group (``groups.Groups.host``): keep it small
+    (a path, not a checkpoint).
     """
     import torch.distributed as dist
 
@@ -359,7 +361,7 @@ def on_rank0(env: DistEnv, fn: Callable[[], Any]) -> Any:
         except Exception as exc:  # re-raised on every rank below, so all exit the same way
             result[0] = ("error", exc)
     if env.world_size > 1:
-        dist.broadcast_object_list(result, src=0)
+        dist.broadcast_object_list(result, src=0, group=group)
     status, value = result[0]
     if status == "error":
         raise value

@@ -27,6 +27,7 @@ from typing import Any
 from ddp_slurm import argtypes, text
 from ddp_slurm.distributed import group
 from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.exitcodes import EXIT_FAILURE as EXIT_FAIL
 from ddp_slurm.exitcodes import EXIT_OK, exit_now
 from ddp_slurm.tools.preflight import (
@@ -71,8 +72,11 @@ class PhaseDeadline:
         os._exit(code)  # a thread stuck in C++ cannot be interrupted any other way
 
 
-def measure(device: Any, rank: int, world_size: int, size_mb: float, iters: int, phase) -> dict[str, Any]:
-    """One all-reduce checked for correctness, then median latency (4 bytes) and bus bandwidth."""
+def measure(
+    device: Any, rank: int, world_size: int, size_mb: float, iters: int, phase, group: Any = None
+) -> dict[str, Any]:
+    """One all-reduce checked for correctness, then median latency (4 bytes) and bus bandwidth, over
+    ``group`` (the training group: training's gradients take this path)."""
     import torch
     import torch.distributed as dist
 
@@ -80,7 +84,7 @@ def measure(device: Any, rank: int, world_size: int, size_mb: float, iters: int,
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
@@ -88,7 +92,7 @@ def measure(device: Any, rank: int, world_size: int, size_mb: float, iters: int,
 
     with phase("the all-reduce check"):
         values = torch.arange(4096, dtype=torch.float32, device=device) + rank
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=group)
         expected = torch.arange(4096, dtype=torch.float32) * world_size + world_size * (world_size - 1) / 2
         correct = bool(torch.equal(values.cpu(), expected))
     with phase("the latency test"):
@@ -376,10 +380,12 @@ def _after_init(
         finally:
             deadline.disarm()
 
-    row = {**asdict(rep), **measure(device, env.rank, env.world_size, args.size_mb, args.iters, phase)}
+    with phase("making the host group"):
+        groups = Groups.make(device)
+    row = {**asdict(rep), **measure(device, env.rank, env.world_size, args.size_mb, args.iters, phase, groups.train)}
     rows: list[Any] = [None] * env.world_size
     with phase("gathering the reports"):
-        dist.all_gather_object(rows, row)
+        dist.all_gather_object(rows, row, group=groups.host)
     verdict = [EXIT_OK]
     if env.rank == 0:
         problems = cross_checks(rows)
@@ -392,7 +398,7 @@ def _after_init(
         else:
             say("doctor: verdict OK")
     with phase("sharing the verdict"):
-        dist.broadcast_object_list(verdict, src=0)
+        dist.broadcast_object_list(verdict, src=0, group=groups.host)
     return int(verdict[0])
 
 

@@ -16,8 +16,10 @@ def wrap_ddp(
     device: torch.device,
     world_size: int,
     settle: bool = False,
+    group: Any = None,
 ) -> nn.Module:
-    """The module the training step calls: DDP across ranks, the bare model for one process.
+    """The module the training step calls: DDP across ranks (over ``group``, the training group; None:
+    the default group), the bare model for one process.
 
     One process has nothing to all-reduce, and DDP would still copy every gradient into its bucket
     and run its hooks each step; the math is the same either way (averaging over one rank is the
@@ -41,6 +43,7 @@ def wrap_ddp(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
+        process_group=group,
         **no_buffer_sync,
         **({"bucket_cap_mb": cap} if cap is not None else {}),
     )

@@ -22,7 +22,7 @@ def evaluate(t: Training) -> None:
         batches = loader.eval_batches(data, run.device, run.rank, run.world_size, tc.eval_batch_size, tc.workers)
         batches = run.strategy.eval_batches(batches, data, run.device, run.rank, run.world_size, tc.eval_batch_size)
         values, samples = step.evaluate(
-            run.model, batches, run.task.eval_step, run.device, run.world_size, tc.precision
+            run.model, batches, run.task.eval_step, run.device, run.world_size, tc.precision, run.groups
         )
         pos.improve(values.get(run.task.best_metric) if run.task.best_metric else None, run.task.higher_is_better)
         t.metrics.write("eval", pos.step, pos.epoch, t.elapsed(), test_samples=samples, **values)

@@ -36,13 +36,16 @@ UNIT_RESHARD_AFTER_FORWARD = True
 ROOT_RESHARD_AFTER_FORWARD = False
 
 
-def shard(model: nn.Module, units: list[nn.Module], device: torch.device, precision: str) -> nn.Module:
-    """Apply FSDP2 to each of ``units`` and then to ``model`` (in place); returns ``model``.
+def shard(
+    model: nn.Module, units: list[nn.Module], device: torch.device, precision: str, group: Any = None
+) -> nn.Module:
+    """Apply FSDP2 to each of ``units`` and then to ``model`` (in place), over ``group`` (the training group;
+    None: the default group); returns ``model``.
 
     ``model`` must be on ``device`` with the same weights on every rank (built after the same seed):
     each rank keeps its slice of them. Build the optimizer afterwards (the parameters become DTensors).
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     inside = {id(m) for m in model.modules() if m is not model}
@@ -52,7 +55,10 @@ def shard(model: nn.Module, units: list[nn.Module], device: torch.device, precis
                 f"shard_units() returned a {type(unit).__name__} that is not a submodule of the model "
                 "(the model itself is always sharded last)"
             )
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if group is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    else:
+        mesh = DeviceMesh.from_group(group, device.type)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if precision == "bf16"

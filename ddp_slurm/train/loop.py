@@ -23,6 +23,7 @@ from ddp_slurm import errors
 from ddp_slurm.config import Config
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
 from ddp_slurm.slurmjob import allocation, chain
 from ddp_slurm.train import determinism, hooks, loggers, logs, rng, rundir, runname, strategy, warmstart
@@ -54,20 +55,22 @@ def train(
     settings = determinism.apply(cfg.train.deterministic, device)  # before the first kernel runs
     if settings and env.rank == 0:
         log.info("train.deterministic: %s", ", ".join(settings))
-    log_placement(env)
+    groups = Groups.make(device)  # every collective below names one of these (see distributed/groups.py)
+    host = groups.host
+    log_placement(env, host)
     # slurm.* keys the allocation ignores (warnings), a --signal training would not catch (exit 2)
-    warnings = on_rank0(env, lambda: allocation.check_current(cfg, os.environ))  # rank 0 asks scontrol once
+    warnings = on_rank0(env, lambda: allocation.check_current(cfg, os.environ), host)  # rank 0 asks scontrol once
     for line in warnings if env.rank == 0 else ():
         log.warning("%s", line)
     if cfg.run.name is None:  # a new run: rank 0 names it, every rank of this launch uses that name
         cfg.run.name = runname.job_name(cfg, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
-            env, lambda: runname.new_name(cfg)
+            env, lambda: runname.new_name(cfg), host
         )
     task = make_task(cfg, task_cls, env, device)
     # Downloads happen once (the other ranks wait), and before the run directory exists: data that cannot
     # be had stops the launch with nothing created.
-    on_rank0(env, task.prepare_data)
-    run = build(cfg, task, env, device, strategy.of(cfg.dist.strategy))
+    on_rank0(env, task.prepare_data, host)
+    run = build(cfg, task, env, device, strategy.of(cfg.dist.strategy), groups)
     # the run's structure a checkpoint must fit: built on the meta device, on rank 0 only (the one that judges)
     template = fit.of_task(task, cfg.train) if env.rank == 0 else None
     ckpt = Checkpointer(
@@ -94,7 +97,7 @@ def train(
         return found[0], summary, cfg.run.init_from
 
     try:
-        path, summary, cfg.run.init_from = on_rank0(env, take)
+        path, summary, cfg.run.init_from = on_rank0(env, take, host)
         if summary is not None and summary[1]:  # a finished run launched again
             name, best = task.best_metric, summary[2]
             shown = f" (best test {logs.metric(name, best)})" if name and best is not None else ""
@@ -119,7 +122,8 @@ def train(
         with MetricsWriter(cfg.paths.metrics if env.rank == 0 else None, cfg.paths.shared, sinks=sinks) as metrics:
             t = Training(run, metrics, started)
             _start(t, backend, resumed is not None, warm)
-            return loop(t, ckpt, StopVote(stop, env.world_size, device, failed=lambda: ckpt.failed), stop, dog)
+            votes = StopVote(stop, env.world_size, device, failed=lambda: ckpt.failed, group=groups.train)
+            return loop(t, ckpt, votes, stop, dog)
     finally:
         reset_sync_debug(device)
         if ckpt.in_flight:  # leaving on an error: the write in flight still ends whole (or not at all)
@@ -239,7 +243,7 @@ def stop_on_signal(t: Training, ckpt: Checkpointer, wants_requeue: bool) -> int:
     SIGTERM (Slurm preemption, scancel, torchrun shutting down) never requeues from here: a preempting
     Slurm requeues the job itself, and a cancelled job should stay cancelled.
     """
-    pos, env, cfg = t.run.pos, t.run.env, t.run.cfg
+    pos, env, cfg, host = t.run.pos, t.run.env, t.run.cfg, t.run.groups.host
     if ckpt.saved_step != pos.step:
         save(t, ckpt, urgent=True)
     ckpt.wait()
@@ -255,7 +259,7 @@ def stop_on_signal(t: Training, ckpt: Checkpointer, wants_requeue: bool) -> int:
                 pos.step,
             )
             return EXIT_REQUEUE_CAP
-        on_rank0(env, lambda: chain.continue_job(cfg, env))  # scontrol requeue, or a chained successor
+        on_rank0(env, lambda: chain.continue_job(cfg, env), host)  # scontrol requeue, or a chained successor
     # Every rank waits for rank 0's requeue and line: under srun --kill-on-bad-exit, the first rank to exit
     # 75 ends the step, and rank 0 must not be killed before them.
     on_rank0(
@@ -263,5 +267,6 @@ def stop_on_signal(t: Training, ckpt: Checkpointer, wants_requeue: bool) -> int:
         lambda: log.info(
             "stopped on signal at step %d with a checkpoint; launch again to resume (exit %d)", pos.step, EXIT_STOPPED
         ),
+        host,
     )
     return EXIT_STOPPED

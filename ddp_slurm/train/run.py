@@ -20,6 +20,7 @@ from torch import nn
 
 from ddp_slurm.config import Config
 from ddp_slurm.distributed.env import DistEnv
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train import graphs, loader, step
 from ddp_slurm.train.checkpoint.state import Position
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
@@ -47,6 +48,8 @@ class Run:
     """The training batches by (epoch, step): ``loader.InMemory`` or ``loader.DatasetBatches``."""
     eval_data: Any
     total_steps: int
+    groups: Groups
+    """The process groups its collectives name: device tensors on ``train``, host ones on ``host``."""
     pos: Position = field(default_factory=Position)
 
     @property
@@ -85,7 +88,7 @@ def make_task(cfg: Config, task_cls: type[Task], env: DistEnv, device: torch.dev
     return task_cls(cfg.task_config, ctx)
 
 
-def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy: Strategy) -> Run:
+def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy: Strategy, groups: Groups) -> Run:
     """Every rank: the run's objects, at step 0 (a checkpoint is restored into them afterwards)."""
     tc = cfg.train
     batches = loader.make_batches(
@@ -99,7 +102,7 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
 
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = task.build_model().to(device)
-    module = strategy.wrap(model, task, device, tc.precision, env.world_size)
+    module = strategy.wrap(model, task, device, tc.precision, env.world_size, groups.train)
     optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
     scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
     if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
@@ -122,4 +125,5 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
         batches,
         eval_data,
         total_steps,
+        groups,
     )

@@ -17,7 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train.loader import batch_size_of
+
+NO_GROUPS = Groups()  # one process, or torch's default group for everything (tests)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -75,6 +78,7 @@ def evaluate(
     device: torch.device,
     world_size: int,
     precision: str = "fp32",
+    groups: Groups = NO_GROUPS,
 ) -> tuple[dict[str, float], int]:
     """Exact distributed evaluation: per-sample metric sums over this rank's shard, added over ranks,
     divided by the number of samples (every sample counted once whatever the world size).
@@ -82,11 +86,9 @@ def evaluate(
     ``model`` must be the bare module, not the DDP wrapper (ranks hold shards of unequal size). Every
     rank first takes rank 0's buffers: batch-norm statistics drift apart between ranks during training
     (see ``wrap_ddp``), and the model evaluated must be the one rank 0 checkpoints. Returns
-    (metrics, samples).
+    (metrics, samples). ``groups``: the run's (device tensors on ``train``, the names on ``host``).
     """
-    if world_size > 1:
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+    take_rank0_buffers(model, world_size, groups.train)
     was_training = model.training
     model.eval()
     names: list[str] | None = None
@@ -105,16 +107,28 @@ def evaluate(
                 totals[i] += sums[name].detach().double().sum()
     if world_size > 1:
         layout: list[Any] = [names]
-        dist.broadcast_object_list(layout, src=0)  # a rank whose shard is empty learns the metric names
+        dist.broadcast_object_list(layout, src=0, group=groups.host)  # a rank with no samples learns the names
         if names is None:
             names = layout[0] or []
             totals = torch.zeros(1 + len(names), dtype=torch.float64, device=device)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=groups.train)
     names = names or []
     model.train(was_training)
     values = totals.tolist()
     count = int(values[0])
     return {name: v / max(count, 1) for name, v in zip(names, values[1:])}, count
+
+
+def take_rank0_buffers(model: nn.Module, world_size: int, group: Any) -> None:
+    """Every rank's buffers (batch-norm statistics) become rank 0's, through ``group`` (the training group).
+
+    Each rank's running statistics evolve on its own batches; rank 0's are the model's, whatever the
+    strategy: every rank takes them before an evaluation, and before a sharded save (``Sharded.capture``),
+    so that the one copy a checkpoint keeps is rank 0's and a resumed run's ranks start where the run left
+    alone stands (under ddp rank 0 writes the whole file itself)."""
+    if world_size > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0, group=group)
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:

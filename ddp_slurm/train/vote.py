@@ -38,11 +38,17 @@ class StopVote:
     """
 
     def __init__(
-        self, stop: StopFlag, world_size: int, device: torch.device, failed: Callable[[], bool] | None = None
+        self,
+        stop: StopFlag,
+        world_size: int,
+        device: torch.device,
+        failed: Callable[[], bool] | None = None,
+        group: Any = None,
     ) -> None:
         """``failed``: a fourth flag any rank may raise (rank 0's background checkpoint writer failed);
-        once agreed, ``self.failed`` stays True on every rank."""
-        self.stop, self.world_size, self._failed = stop, world_size, failed
+        once agreed, ``self.failed`` stays True on every rank. ``group``: the training group (the flags
+        live on the training device)."""
+        self.stop, self.world_size, self._failed, self.group = stop, world_size, failed, group
         self.bad = ""  # why the loss was flagged, once it was: "loss is nan at step 12"
         self.failed = False
         self._buffers = (torch.zeros(FLAGS, device=device), torch.zeros(FLAGS, device=device))  # posted, being reduced
@@ -69,7 +75,11 @@ class StopVote:
             self._staged.post(slot, flags, (requeue, terminate, 0.0, failed))
             if loss is not None:
                 flags[2:3].copy_(~torch.isfinite(loss.reshape(1)))  # computed on the loss's device, no wait
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if self.world_size > 1 else None
+        work = (
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            if self.world_size > 1
+            else None
+        )
         if self._cuda is not None:
             self._cuda.post(slot, flags, work)
             work = None  # the side stream waits for it
@@ -99,13 +109,29 @@ class StopVote:
         requeue, terminate, bad, failed = (v > 0 for v in values)
         self.failed = self.failed or failed
         if bad and not self.bad:
-            value = loss.item() if loss is not None else float("nan")  # the failure path may wait
+            value = _failed_value(loss)
             self.bad = (
                 f"loss is {value} at step {step}"
                 if not math.isfinite(value)
                 else f"loss is not finite on another rank at step {step}"
             )
         return requeue, terminate, bad
+
+
+def _failed_value(loss: torch.Tensor | None) -> float:
+    """The non-finite loss as a number for its line. The failure path may wait for the device, also under
+    ``DDP_SLURM_SYNC_DEBUG=error`` (hooks/syncdebug.py), whose mode is set aside for this one read: the run
+    ends on "loss is nan at step N", not on the sync-debug error the read would raise."""
+    if loss is None:
+        return float("nan")
+    if loss.device.type != "cuda":
+        return loss.item()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return loss.item()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class _Staged:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,13 +23,15 @@ class LossWindow:
     The loss stays on the device while it accumulates: reading it is the one host sync per window.
     """
 
-    def __init__(self, device: torch.device, world_size: int, global_batch: int, step: int) -> None:
+    def __init__(self, device: torch.device, world_size: int, global_batch: int, step: int, group: Any) -> None:
+        """``group``: the training group (the loss stays on the training device)."""
         self.sum, self.n, self.world_size, self.global_batch = (
             torch.zeros((), device=device),
             0,
             world_size,
             global_batch,
         )
+        self.group = group
         self.started, self.first_step = time.monotonic(), step
         self.loss: float | None = None
         self.rate: float | None = None
@@ -46,11 +49,11 @@ class LossWindow:
         mean = self.sum / max(self.n, 1)
         own = (now - self.started) / steps
         if self.world_size > 1:
-            dist.all_reduce(mean)
+            dist.all_reduce(mean, group=self.group)
             mean /= self.world_size
             times = torch.full((2,), own, dtype=torch.float64, device=mean.device)  # made there: no copy
             times[1:].neg_()
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # slowest and (negated) fastest rank
+            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)  # slowest and (negated) fastest rank
             loss, slowest, fastest = torch.cat([mean.double().reshape(1), times]).tolist()  # the one sync
             fastest = -fastest
         else:
@@ -66,13 +69,13 @@ class LossWindow:
         }
 
 
-def log_placement(env: DistEnv) -> list[str]:
+def log_placement(env: DistEnv, group: Any) -> list[str]:
     """Rank 0 logs once which host each rank runs on: the first thing to check when a job misbehaves.
-    Returns every rank's host, in rank order."""
+    Returns every rank's host, in rank order (gathered through ``group``, the host group)."""
     host = socket.gethostname()
     hosts = [host] * env.world_size
     if env.world_size > 1:
-        dist.all_gather_object(hosts, host)
+        dist.all_gather_object(hosts, host, group=group)
     if env.rank == 0:
         log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
     return hosts

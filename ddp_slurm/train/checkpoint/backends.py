@@ -43,6 +43,7 @@ class Objects(Protocol):
     rank: int
     world_size: int
     seed: int
+    groups: Any  # distributed.groups.Groups: the RNG streams and flags travel on its host group
 
 
 def _plain_file(path: Path) -> None:
@@ -118,7 +119,7 @@ class Backend:
 
 
 def _rngs(run: Objects) -> list[Any] | None:
-    return state.gather(rng.rng_state(run.device), run.rank, run.world_size)
+    return state.gather(rng.rng_state(run.device), run.rank, run.world_size, run.groups.host)
 
 
 def _rest(record: dict[str, Any], run: Objects, what: str, where: str) -> Position:
@@ -197,7 +198,7 @@ class WholeFile(Backend):
         """Rank 0 writes the whole file; the others learn how it went."""
         from ddp_slurm.distributed.group import on_rank0
 
-        return on_rank0(run, write)
+        return on_rank0(run, write, run.groups.host)
 
 
 class Sharded(Backend):
@@ -240,8 +241,11 @@ class Sharded(Backend):
         """(this rank's shards, the commit record on rank 0 / None elsewhere). A collective."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from ddp_slurm.train.step import take_rank0_buffers
+
+        take_rank0_buffers(run.model, run.world_size, run.groups.train)  # the one copy DCP keeps: rank 0's
         msd, osd = get_state_dict(run.model, run.optimizer)
-        if not sharded.finite(run.model, run.world_size):  # agreed: every rank raises, or none
+        if not sharded.finite(run.model, run.world_size, run.groups.host):  # agreed: every rank raises, or none
             raise ValueError(f"weights are not finite at step {run.pos.step}")
         rngs = _rngs(run)
         record = None
@@ -265,7 +269,7 @@ class Sharded(Backend):
         msd, osd = get_state_dict(run.model, run.optimizer)
         shards = {"model": msd, "optim": osd}
         try:
-            dcp_safe.load(shards, path)
+            dcp_safe.load(shards, path, run.groups.host)  # DCP's planning: pickled objects
         except dcp_safe.FAILED as exc:  # the gate checked the index against the run: this is a read failing
             raise format.CheckpointError(f"cannot load checkpoint {path}: {dcp_safe.unwrap(exc)}") from None
         set_state_dict(run.model, run.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])

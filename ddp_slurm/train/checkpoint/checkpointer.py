@@ -164,7 +164,8 @@ class Checkpointer:
     def wait(self) -> Path | None:
         """Every rank: block until the write in flight is durable (rank 0 knows); its path, or its
         CheckpointError on every rank."""
-        return on_rank0(self.run, self._writer.wait)
+        self._writer.settle()  # this rank's own part first, outside any collective
+        return on_rank0(self.run, self._writer.wait, self.run.groups.host)
 
     def close(self) -> None:
         """This rank: wait for the write in flight and release the host buffers; raises the write's error."""

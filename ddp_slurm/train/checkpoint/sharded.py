@@ -252,13 +252,12 @@ def optimizer_layout(optimizer: Any, osd: dict[str, Any]) -> dict[str, Any]:
     return {"groups": groups, "state": state}
 
 
-def finite(model: torch.nn.Module, world_size: int) -> bool:
-    """Whether every rank's shards of the weights are finite: one host sync, agreed over the ranks."""
+def finite(model: torch.nn.Module, world_size: int, group: Any) -> bool:
+    """Whether every rank's shards of the weights are finite: one host sync, agreed over the ranks through
+    ``group``, the host group (the flag is a host number by then; NCCL's group carries no host tensor)."""
     from ddp_slurm.train.step import all_finite
 
-    device = next(model.parameters()).device  # the training group's device: NCCL reduces CUDA tensors only
     flag = torch.tensor([float(all_finite(p.to_local() for p in model.parameters() if p.is_floating_point()))])
-    flag = flag.to(device)
     if world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())

@@ -190,6 +190,13 @@ class ShardedCheckpointer:
             return None
         return self.wait()
 
+    def settle(self) -> None:
+        """Block until this rank's write in flight is done (rank 0: committed), no collective: every rank waits
+        for its own shards before ``Checkpointer.wait`` asks rank 0, so that the ranks wait in a collective
+        only for the commit, never for a write as long as the checkpoint is large (past ``dist.timeout_s``)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def wait(self) -> Path | None:
         """Block until this rank's write in flight is done (rank 0: committed); its folder, or CheckpointError."""
         if self._thread is None:

@@ -51,12 +51,13 @@ class Position:
             self.best = value
 
 
-def gather(obj: Any, rank: int, world_size: int) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (None elsewhere); small pickled objects only."""
+def gather(obj: Any, rank: int, world_size: int, group: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere), through ``group`` (the host group); small pickled
+    objects only."""
     if world_size == 1:
         return [obj]
     out: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 

@@ -301,6 +301,9 @@ class AsyncCheckpointer:
             return None
         return self._collect()
 
+    def settle(self) -> None:
+        """Nothing to wait for beside ``wait``: one rank writes the whole file (see ShardedCheckpointer.settle)."""
+
     def wait(self) -> Path | None:
         """Block until the in-flight write (if any) is durable; its path, or its CheckpointError."""
         if self._write is None:

@@ -17,12 +17,15 @@ from ddp_slurm.train.window import LossWindow
 class TrainLine(Hook):
     def __init__(self, run: Any) -> None:
         self.every = run.cfg.train.log_every_steps
-        self.window = LossWindow(run.device, run.world_size, run.cfg.train.global_batch_size, run.pos.step)
+        self.window = self._window(run)
         self.norms = accumulate.NormWindow()  # train.grad_clip: the gradient norm before clipping
 
     def start(self, t: Training) -> None:
-        run = t.run
-        self.window = LossWindow(run.device, run.world_size, run.cfg.train.global_batch_size, run.pos.step)
+        self.window = self._window(t.run)
+
+    @staticmethod
+    def _window(run: Any) -> LossWindow:
+        return LossWindow(run.device, run.world_size, run.cfg.train.global_batch_size, run.pos.step, run.groups.train)
 
     def wants_host(self, step: int) -> bool:
         return step % self.every == 0
