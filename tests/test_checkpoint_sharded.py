@@ -108,3 +108,38 @@ def test_partial_writes_are_cleared_and_never_count(run: Path) -> None:
     assert checkpoint.latest(run)[0].name == "step-30"
     sharded.remove_stale_partials(RunPaths(run))
     assert not partial.exists()
+
+
+@pytest.mark.parametrize("available_mib", [1, None], ids=["too-little", "plenty"])
+def test_async_sharded_saves_turn_synchronous_when_host_copies_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, available_mib: int | None
+) -> None:
+    """``checkpoint.async`` copies every shard into host memory (pinned on a GPU): where that copy would
+    take more than half the host's available memory, the run saves synchronously, says so once, and the
+    checkpoints are whole all the same. A host's MemAvailable cannot be made small here: its reading is
+    replaced (the one stand-in of this file)."""
+    import torch.distributed as dist
+
+    from ddp_slurm.train import fsdp
+    from ddp_slurm.train.checkpoint import sharded_writer
+
+    if available_mib is not None:
+        monkeypatch.setattr(sharded_writer, "available_memory", lambda: available_mib * 2**20)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = fsdp.shard(torch.nn.Sequential(torch.nn.Linear(512, 1024)), [], torch.device("cpu"), "fp32")
+        paths = RunPaths(tmp_path / "r")
+        paths.root.mkdir()
+        ckpt = sharded_writer.ShardedCheckpointer(paths, True)
+        with caplog.at_level(logging.WARNING, logger="ddp_slurm"):
+            returned = [ckpt.save(({"model": model.state_dict()}, {"step": step})) for step in (1, 2)]
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+    warned = [r.getMessage() for r in caplog.records if "saving synchronously" in r.getMessage()]
+    if available_mib is not None:  # 2 MiB of shards against 1 MiB available
+        assert returned == [paths.sharded(1), paths.sharded(2)] and len(warned) == 1, warned
+        assert "(2 MiB on this rank)" in warned[0] and "this one: 1 MiB" in warned[0]
+    else:
+        assert returned == [None, None] and not warned
+    assert [step for step, _ in sharded.list_sharded(paths)] == [2, 1]

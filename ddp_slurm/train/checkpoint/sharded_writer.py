@@ -19,10 +19,13 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm import safefs
+from ddp_slurm.hostmem import available_memory
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.checkpoint.dcp_safe import FAILED, unwrap
 from ddp_slurm.train.checkpoint.format import CheckpointError
 from ddp_slurm.train.checkpoint.sharded import commit, file_seal, fresh_partial, write_json
+from ddp_slurm.train.checkpoint.snapshot import state_bytes
+from ddp_slurm.train.checkpoint.writer import MAX_SHARE_OF_AVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +143,7 @@ class ShardedCheckpointer:
             raise CheckpointError(f"{made[0]}; previous checkpoints are intact")
         writer = _writer_class()(str(partial), sync_files=True)
         self._step, self._started, self._error, self._done_at = step, time.monotonic(), None, None
-        if not self.enabled:
+        if not self._asynchronous(shards):
             try:
                 dcp.save(shards, storage_writer=writer, process_group=self.group)
             except FAILED as exc:  # DCP's CheckpointException: every rank gets it, with each rank's reason
@@ -157,6 +160,29 @@ class ShardedCheckpointer:
         )
         self._thread.start()
         return None
+
+    def _asynchronous(self, shards: dict[str, Any]) -> bool:
+        """``checkpoint.async``, unless host copies of this rank's shards would take more than
+        ``MAX_SHARE_OF_AVAILABLE`` of the host's available memory on some rank (pinned memory cannot be
+        swapped out): then every save of the run is synchronous, one warning says so. Decided at the first
+        save, agreed over the ranks (the two ways are different collectives); the copies made then are
+        reused by every later save."""
+        if not self.enabled or self._stager is not None:
+            return self.enabled
+        need, avail = state_bytes(shards), available_memory()
+        here = avail is None or need <= MAX_SHARE_OF_AVAILABLE * avail
+        fits = torch.tensor([float(here)])
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
+        if not fits.item():
+            self.enabled = False
+        if not fits.item() and (self.rank == 0 or not here):  # rank 0 and the ranks that lack the memory
+            log.warning(
+                "checkpoint.async: host copies of the shards (%.0f MiB on this rank) would take more than half "
+                "the available memory of a host (this one: %s MiB): saving synchronously",
+                need / 2**20,
+                "?" if avail is None else f"{avail / 2**20:.0f}",
+            )
+        return self.enabled
 
     def _stage(self) -> Any:
         """One stager for the run: host copies (pinned for GPU tensors) reused from save to save."""

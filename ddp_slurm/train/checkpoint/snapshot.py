@@ -17,8 +17,9 @@ from ddp_slurm.train.checkpoint import format as checkpoint
 
 
 def state_bytes(state: Any) -> int:
-    """Bytes of every tensor in ``state`` (nested dicts, lists, tuples)."""
-    return sum(t.numel() * t.element_size() for _, t in checkpoint._tensors(state))
+    """Bytes of every tensor in ``state`` (nested dicts, lists, tuples); of a DTensor, this rank's shard."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for _, t in checkpoint._tensors(state)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 class Snapshotter:
