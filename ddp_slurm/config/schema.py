@@ -162,6 +162,10 @@ class TrainConfig:
     grad_clip: float | None = checked(None, check=lambda v: v is None or v > 0, expected="null or a number > 0")
     """Clip gradients to this global L2 norm before each optimizer step (null: no clipping); the norm before
     clipping is logged as ``grad_norm``."""
+    activation_checkpoint: bool = False
+    """Keep only each unit's input for backward and recompute its forward there (the task's ``shard_units``;
+    under ddp and fsdp alike): less activation memory for about one more forward per step. Non-reentrant and
+    RNG-preserving: dropout, gradients and resume are bit-identical with it off. docs/scaling.md."""
 
 
 @dataclass

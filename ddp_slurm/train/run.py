@@ -99,7 +99,7 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
 
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = task.build_model().to(device)
-    module = strategy.wrap(model, task, device, tc.precision, env.world_size)
+    module = strategy.wrap(model, task, device, tc.precision, env.world_size, tc.activation_checkpoint)
     optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
     scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
     if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
