@@ -23,6 +23,7 @@ from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.train import graphs, loader, step
 from ddp_slurm.train.checkpoint.state import Position
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
+from ddp_slurm.train.precision import make_scaler
 from ddp_slurm.train.strategy import Strategy
 from ddp_slurm.train.task import Context, Task, Tensors
 
@@ -48,6 +49,8 @@ class Run:
     eval_data: Any
     total_steps: int
     pos: Position = field(default_factory=Position)
+    scaler: Any = None
+    """``train.precision=fp16``: the gradient scaler the step uses (its state is checkpointed); None otherwise."""
 
     @property
     def rank(self) -> int:
@@ -102,11 +105,12 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
     module = strategy.wrap(model, task, device, tc.precision, env.world_size, tc.activation_checkpoint)
     optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
     scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
+    scaler = make_scaler(tc.precision, device)
     if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
         train_step = graphs.make_step(module, optimizer, scheduler, task.training_step, device, tc.precision)
     else:
         train_step = step.make_step(
-            module, optimizer, scheduler, task.training_step, device, tc.precision, tc.accumulate, tc.grad_clip
+            module, optimizer, scheduler, task.training_step, device, tc.precision, tc.accumulate, tc.grad_clip, scaler
         )
     return Run(
         cfg,
@@ -122,4 +126,5 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
         batches,
         eval_data,
         total_steps,
+        scaler=scaler,
     )

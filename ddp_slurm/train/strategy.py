@@ -32,6 +32,7 @@ class Strategy:
     name: ClassVar[str]
     backend: ClassVar[Backend]
     captures_graphs: ClassVar[bool] = False  # train.cuda_graphs can capture its step
+    scales_fp16: ClassVar[bool] = False  # train.precision=fp16: its ranks agree on each step the scaler skips
 
     def wrap(
         self,
@@ -85,6 +86,7 @@ def _by_name(saved: dict[str, Any], model: nn.Module, optimizer: Any) -> dict[st
 
 class DDP(Strategy):
     name, backend, captures_graphs = "ddp", WholeFile(), True
+    scales_fp16 = True  # the gradients are all-reduced before the scaler checks them: every rank sees the same
 
     def wrap(
         self,
