@@ -127,3 +127,14 @@ def test_two_ranks_stop_and_resume_bit_identical_to_a_run_without_it(
     second = run_to_end(launches, tmp_path, 2, on)
     assert_resumed_from(second, stop)
     test_fsdp.assert_same_state(first.run_dir, reference.run_dir)
+
+
+def test_it_is_a_typed_config_key_off_by_default() -> None:
+    from ddp_slurm import config
+
+    assert config.load().train.activation_checkpoint is False
+    assert config.load(overrides=["train.activation_checkpoint=true"]).train.activation_checkpoint is True
+    with pytest.raises(config.ConfigError, match="train.activation_checkpoint"):
+        config.load(overrides=["train.activation_checkpoint=3"])
+    off, on = config.load(), config.load(overrides=["train.activation_checkpoint=true"])
+    assert config.incompatible_changes(off, on) == []  # the same result: a relaunch may turn it on

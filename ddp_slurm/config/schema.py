@@ -164,10 +164,11 @@ class TrainConfig:
     grad_clip: float | None = checked(None, check=lambda v: v is None or v > 0, expected="null or a number > 0")
     """Clip gradients to this global L2 norm before each optimizer step (null: no clipping); the norm before
     clipping is logged as ``grad_norm``."""
-    activation_checkpoint: bool = False
+    activation_checkpoint: bool = checked(False, resumable=True)
     """Keep only each unit's input for backward and recompute its forward there (the task's ``shard_units``;
     under ddp and fsdp alike): less activation memory for about one more forward per step. Non-reentrant and
-    RNG-preserving: dropout, gradients and resume are bit-identical with it off. docs/scaling.md."""
+    RNG-preserving: dropout, gradients and resume are bit-identical with it off, so it may be turned on or
+    off between the launches of one run (after an out-of-memory). docs/scaling.md."""
 
 
 @dataclass
