@@ -66,3 +66,26 @@ def test_a_good_record_passes_and_a_backend_adds_its_own_keys() -> None:
         schema.check(good(), {"model_shapes": (lambda v: isinstance(v, dict), "a mapping")})
     with pytest.raises(ValueError, match="is not a tensor shape"):
         schema.shapes({"w": [3, -1]})
+
+
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        (None, True),
+        (torch.amp.GradScaler("cpu").state_dict(), True),
+        ({}, False),
+        ({**torch.amp.GradScaler("cpu").state_dict(), "scale": float("inf")}, False),
+        ({**torch.amp.GradScaler("cpu").state_dict(), "_growth_tracker": -1}, False),
+        ({**torch.amp.GradScaler("cpu").state_dict(), "extra": 1}, False),
+        ("65536", False),
+    ],
+)
+def test_the_scalers_state_is_checked_where_a_record_has_one(value: Any, ok: bool) -> None:
+    """fp16's gradient scaler (``scaler``): null or GradScaler's state; a record made before it has none."""
+    schema.check(good())  # no 'scaler' key: an older checkpoint
+    record = good() | {"scaler": value}
+    if ok:
+        schema.check(record)
+    else:
+        with pytest.raises(ValueError, match="its scaler is not null or a gradient scaler's state"):
+            schema.check(record)

@@ -353,6 +353,7 @@ def test_each_runtime_key_is_declared_once_on_its_field() -> None:
         "train.workers",
         "train.prefetch",
         "train.eval_batch_size",
+        "train.activation_checkpoint",  # recomputes each unit's forward: memory, not the result
     }
     assert not hasattr(config, "_CHECKS") and not hasattr(config, "RESUMABLE_CHANGES")
     with pytest.raises(ConfigError, match=r"checkpoint.keep in the command line: expected an integer >= 1, got 0"):

@@ -153,6 +153,14 @@ CLAIMED = {
         "tests/test_bench_memory.py::test_checkpoint_fsdp_smoke",
         '"--strategy", "fsdp"',
     ),
+    "torchrun --standalone --nproc_per_node 2 -m ddp_slurm.train dist.strategy=fsdp train.activation_checkpoint=true": (
+        "tests/test_activation_checkpoint.py::test_two_ranks_stop_and_resume_bit_identical_to_a_run_without_it",
+        '"train.activation_checkpoint=true"',
+    ),
+    "python -m ddp_slurm.bench memory --world 2 --task examples/addition/task.py:Addition --batch 128": (
+        "tests/test_bench_memory.py::test_memory_measures_a_tasks_activations",
+        "activations.task_model(ADDITION",
+    ),
     "torchrun --standalone --nproc_per_node 2 -m ddp_slurm.train train.accumulate=4 train.grad_clip=1.0": (
         "tests/test_accumulate.py::test_accumulate_trains_as_well_resumes_exactly_and_logs_the_norm",
         '"train.accumulate=4", "train.grad_clip=5.0"',

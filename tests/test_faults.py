@@ -708,6 +708,10 @@ BAD_INPUTS: dict[str, Bad] = {
     "unknown-flag": Bad(("--epochs", "3"), ("unrecognized arguments: --epochs",)),
     "flag-without-value": Bad(("--config",), ("argument --config: expected one argument",)),
     "bf16-on-cpu": Bad(("train.precision=bf16",), ("train.precision=bf16 needs a CUDA GPU",)),
+    "fp16-on-cpu": Bad(("train.precision=fp16",), ("train.precision=fp16 needs a CUDA GPU",)),
+    "fp16-under-fsdp": Bad(
+        ("train.precision=fp16", "dist.strategy=fsdp"), ("train.precision=fp16 runs under dist.strategy=ddp, not fsdp",)
+    ),
     "nonsense-node-list": Bad(
         (), ("malformed Slurm host list 'node[3-1]'",), env=SRUN_STEP + (("SLURM_JOB_NODELIST", "node[3-1]"),)
     ),

@@ -103,12 +103,15 @@ def _watched(stderr: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
-def test_the_real_loop_never_synchronises_between_boundaries(launcher: Launcher, graphs: bool) -> None:
+@pytest.mark.parametrize(
+    "graphs, precision", [(False, "fp32"), (True, "fp32"), (False, "fp16")], ids=["eager", "cuda_graphs", "fp16"]
+)
+def test_the_real_loop_never_synchronises_between_boundaries(launcher: Launcher, graphs: bool, precision: str) -> None:
     """``python -m ddp_slurm.train`` itself (vote, loss window, progress, watchdog, checkpoints every 25
     steps, two epochs with evaluation) under set_sync_debug_mode("error") from its 3rd step on, switched
     off only around log lines, saves and evaluations (DDP_SLURM_SYNC_DEBUG, train/hooks/syncdebug.py): any
-    synchronising call in a steady step raises and the run fails. Eagerly and with train.cuda_graphs."""
+    synchronising call in a steady step raises and the run fails. Eagerly, with train.cuda_graphs, and with
+    train.precision=fp16 (the gradient scaler decides its skips on the device with the fused optimizer)."""
     res = launcher.run(
         launcher.cmd_train(
             "model.name=cnn",
@@ -116,7 +119,8 @@ def test_the_real_loop_never_synchronises_between_boundaries(launcher: Launcher,
             "train.log_every_steps=10",
             "checkpoint.every_steps=25",
             f"train.cuda_graphs={str(graphs).lower()}",
-            f"run.name=nosync-{graphs}",
+            f"train.precision={precision}",
+            f"run.name=nosync-{graphs}-{precision}",
         ),
         env=base_env(DDP_SLURM_SYNC_DEBUG="error"),
         timeout=300,
@@ -151,23 +155,29 @@ def _rows_if_any(run_dir: Path) -> list[dict]:
         return []
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
-def test_deterministic_interrupt_and_resume_is_bit_identical(launcher: Launcher, graphs: bool) -> None:
+@pytest.mark.parametrize(
+    "graphs, precision", [(False, "fp32"), (True, "fp32"), (False, "fp16")], ids=["eager", "cuda_graphs", "fp16"]
+)
+def test_deterministic_interrupt_and_resume_is_bit_identical(launcher: Launcher, graphs: bool, precision: str) -> None:
     """cnn (cuDNN convolutions), train.deterministic=true: stopped by SIGUSR2 mid-epoch and resumed, the
     final weights and optimizer state equal those of an uninterrupted run bit for bit; with
-    train.cuda_graphs too (the resumed launch captures its graph again from the restored state)."""
+    train.cuda_graphs too (the resumed launch captures its graph again from the restored state), and with
+    train.precision=fp16 (the gradient scaler's state comes back from the checkpoint)."""
     overrides = [
         "model.name=cnn",
         "train.epochs=2",
         "train.deterministic=true",
         "train.log_every_steps=5",
         f"train.cuda_graphs={str(graphs).lower()}",
+        f"train.precision={precision}",
     ]
-    _train_until(launcher, f"whole-{graphs}", overrides, None)
-    _train_until(launcher, f"resumed-{graphs}", overrides, 30)
-    whole = checkpoint.load_latest(launcher.cwd / "runs" / f"whole-{graphs}")
-    resumed = checkpoint.load_latest(launcher.cwd / "runs" / f"resumed-{graphs}")
+    name = f"{graphs}-{precision}"
+    _train_until(launcher, f"whole-{name}", overrides, None)
+    _train_until(launcher, f"resumed-{name}", overrides, 30)
+    whole = checkpoint.load_latest(launcher.cwd / "runs" / f"whole-{name}")
+    resumed = checkpoint.load_latest(launcher.cwd / "runs" / f"resumed-{name}")
     assert whole["finished"] and resumed["finished"] and whole["step"] == resumed["step"]
+    assert whole["scaler"] == resumed["scaler"] and (whole["scaler"] is not None) == (precision == "fp16")
     for key, tensor in whole["model"].items():
         assert torch.equal(tensor, resumed["model"][key]), key
     for index, state in whole["optimizer"]["state"].items():

@@ -52,7 +52,9 @@ def test_several_ranks_and_no_gpu_are_refused_before_anything_starts() -> None:
 
 
 @pytest.mark.parametrize(
-    "override", ["dist.strategy=fsdp", "train.accumulate=2", "train.grad_clip=1.0"], ids=["fsdp", "accumulate", "clip"]
+    "override",
+    ["dist.strategy=fsdp", "train.accumulate=2", "train.grad_clip=1.0", "train.activation_checkpoint=true"],
+    ids=["fsdp", "accumulate", "clip", "activation_checkpoint"],
 )
 def test_what_the_captured_step_does_not_do_is_refused_on_any_machine(override: str) -> None:
     cfg = config.load(overrides=["train.cuda_graphs=true", override])

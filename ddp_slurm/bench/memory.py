@@ -10,6 +10,12 @@ which also counts FSDP's gathered units and the communication buffers), and the 
 ``fsdp_over_ddp`` = FSDP's model-state bytes on the rank holding most / DDP's: about ``1/N`` (the target
 is at most ``1/N + 0.1``); what it does not shard (buffers, activations) and the units it gathers
 show in the peak.
+
+Activation memory (``train.activation_checkpoint``), measured in this process (``bench/activations.py``):
+the bytes one step keeps for backward with and without checkpointing each unit (CPU: saved tensors;
+CUDA: ``max_memory_allocated``) and their ratio, on the same stack (``--batch`` samples; a stack of
+Linear+ReLU blocks keeps only each block's input either way, so its ratio is about 1) or on a task's
+model, units and first ``--batch`` training samples (``--task examples/addition/task.py:Addition``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm import argtypes
-from ddp_slurm.bench import common, flags
+from ddp_slurm.bench import activations, common, flags
 
 STRATEGIES = ("ddp", "fsdp")
 MAX_WIDTH, MAX_DEPTH = 1 << 16, 10_000  # their product is bounded by the host's memory (measure)
@@ -36,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=argtypes.integer(1, MAX_DEPTH), default=8, help="linear blocks (each one FSDP unit)")
     p.add_argument("--steps", type=flags.steps(), default=5, help="steps timed after 2 warm-up steps")
     p.add_argument("--timeout", type=flags.seconds(), default=600.0, help="seconds before a rank is given up")
+    p.add_argument("--batch", type=argtypes.integer(1, 1 << 16), default=32, help="samples of the activation measure")
+    p.add_argument(
+        "--task", default=None, metavar="REF", help="measure activations on this task's model (task=REF) instead"
+    )
 
 
 def strategies(text: str) -> list[str]:
@@ -74,6 +84,16 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     flags.check_memory(
         f"--width {args.width} --depth {args.depth} --world {args.world}", args.world * BYTES_PER_PARAM * params
     )
+    device = common.resolve_device("auto")
+    if args.task:  # a task that cannot be used is one line before any rank starts
+        from ddp_slurm.config import ConfigError
+
+        try:
+            build = activations.task_model(args.task, args.batch, device)
+        except ConfigError as exc:
+            raise common.BenchError(f"--task {args.task}: {exc}") from None
+    else:
+        build = activations.linear_stack(args.width, args.depth, args.batch, device)
     per_rank_threads = 1
     extra = ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
     with tempfile.TemporaryDirectory(prefix=".bench-memory-", dir=Path.cwd()) as tmp:
@@ -92,6 +112,7 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
             "step_s": max(r["step_s"] for r in ranks),
         }
     payload["strategies"] = summary
+    payload["activations"] = dict(activations.compare(build, device), model=args.task or "stack", batch=args.batch)
     if "ddp" in summary and "fsdp" in summary:
         ddp, fsdp = summary["ddp"], summary["fsdp"]
         payload["fsdp_over_ddp"] = fsdp["model_state_bytes"] / ddp["model_state_bytes"]
@@ -125,9 +146,21 @@ def render(p: dict[str, Any]) -> str:
             f"fsdp_over_ddp (model state per rank) = {p['fsdp_over_ddp']:.3f} (target <= 1/N + 0.1 = "
             f"{p['target']:.3f}); peak {p['fsdp_over_ddp_peak']:.2f}x, step time {p['fsdp_over_ddp_step_time']:.2f}x"
         )
-    return common.table(
-        f"memory per rank, {params['world']} rank(s), {params['depth']} blocks of width {params['width']}",
-        ["strategy", "params MiB", "grads MiB", "optimizer MiB", "model state MiB", "peak MiB", "step ms"],
-        rows,
-        notes,
+    a = p["activations"]
+    ratio = "n/a" if a["ratio"] is None else f"{a['ratio']:.3f}"
+    return "\n".join(
+        [
+            common.table(
+                f"memory per rank, {params['world']} rank(s), {params['depth']} blocks of width {params['width']}",
+                ["strategy", "params MiB", "grads MiB", "optimizer MiB", "model state MiB", "peak MiB", "step ms"],
+                rows,
+                notes,
+            ),
+            common.table(
+                f"activation memory of one step, {a['model']}, batch {a['batch']} ({a['kind']})",
+                ["activation_checkpoint", "MiB"],
+                [["false", common.fmt(a["bytes_off"] / mib, 2)], ["true", common.fmt(a["bytes_on"] / mib, 2)]],
+                [f"ratio (true / false) = {ratio}"],
+            ),
+        ]
     )

@@ -146,9 +146,11 @@ class TrainConfig:
     """Batches each worker prepares ahead (Dataset path)."""
     eval_batch_size: int = checked(256, check=lambda v: v >= 1, expected="an integer >= 1", resumable=True)
     """Samples per evaluation batch on each rank."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """``bf16`` runs forward/backward under CUDA bf16 autocast; refused on CPU (no speed-up there) and on GPUs
-    older than compute capability 8.0 (no bf16 tensor cores)."""
+    older than compute capability 8.0 (no bf16 tensor cores). ``fp16``: fp16 autocast with a gradient scaler
+    (checkpointed; a step whose gradients overflow is skipped and the scale halved), for GPUs without bf16;
+    refused on CPU and under dist.strategy=fsdp. docs/gpu.md."""
     deterministic: bool = False
     """GPU runs repeat bit-for-bit and resume bit-identically: deterministic cuDNN/cuBLAS kernels (somewhat
     slower); an op without one raises. CPU runs are bit-exact either way. Guarantees: docs/determinism.md."""
@@ -162,6 +164,11 @@ class TrainConfig:
     grad_clip: float | None = checked(None, check=lambda v: v is None or v > 0, expected="null or a number > 0")
     """Clip gradients to this global L2 norm before each optimizer step (null: no clipping); the norm before
     clipping is logged as ``grad_norm``."""
+    activation_checkpoint: bool = checked(False, resumable=True)
+    """Keep only each unit's input for backward and recompute its forward there (the task's ``shard_units``;
+    under ddp and fsdp alike): less activation memory for about one more forward per step. Non-reentrant and
+    RNG-preserving: dropout, gradients and resume are bit-identical with it off, so it may be turned on or
+    off between the launches of one run (after an out-of-memory). docs/scaling.md."""
 
 
 @dataclass

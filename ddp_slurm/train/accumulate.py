@@ -11,6 +11,13 @@ count optimizer steps, so a stop always lands between two of them and a resume i
 Clipping scales every gradient by ``min(1, grad_clip / norm)`` where ``norm`` is the L2 norm over all
 gradients of the model (torch's ``clip_grad_norm_``, which reduces over the shards of FSDP's DTensors),
 and records that norm for the ``grad_norm`` figure of the ``train`` lines.
+
+``train.precision=fp16``: torch's ``GradScaler`` multiplies each micro-batch's loss by its scale before
+backward, divides the gradients by it before clipping (``unscale_``), and steps the optimizer only when
+every gradient is finite; a step with inf/NaN gradients (fp16 overflow, normal while the scale settles)
+is skipped and the scale halved. The loss returned is the unscaled one: an overflow of the gradients is
+not a non-finite loss, and the stop vote (``vote.py``) never sees it. The schedule steps either way, so
+the position and the schedule count steps as without it.
 """
 
 from __future__ import annotations
@@ -77,9 +84,10 @@ class AccumulatingStep:
         cast: contextlib.AbstractContextManager,
         accumulate: int,
         grad_clip: float | None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.loss_of, self.cast = model, optimizer, scheduler, loss_of, cast
-        self.accumulate, self.grad_clip = accumulate, grad_clip
+        self.accumulate, self.grad_clip, self.scaler = accumulate, grad_clip, scaler
         self.grad_norm: torch.Tensor | None = None
 
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -91,11 +99,18 @@ class AccumulatingStep:
             with contextlib.nullcontext() if i == n - 1 else no_sync(self.model):
                 with self.cast:
                     loss = self.loss_of(self.model, part)
-                (loss / n if n > 1 else loss).backward()
+                share = loss / n if n > 1 else loss
+                (share if self.scaler is None else self.scaler.scale(share)).backward()
             total = loss.detach() if total is None else total + loss.detach()
         if self.grad_clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
             self.grad_norm = clip(self.model, self.grad_clip)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)  # skipped where a gradient is not finite
+            self.scaler.update()
         self.scheduler.step()
         assert total is not None
         return total / n if n > 1 else total
@@ -109,14 +124,21 @@ class NormWindow:
         self.n = 0
 
     def add(self, norm: torch.Tensor | None) -> None:
+        """Count ``norm`` if it is finite (no host sync): an fp16 step skipped for overflowing gradients has
+        an inf norm and counts for nothing; under fp32 a non-finite norm comes with a non-finite loss,
+        which stops the run (``vote.py``)."""
         if norm is not None:
-            self.sum = norm.detach().float() if self.sum is None else self.sum + norm.detach().float()
+            norm = norm.detach().float()
+            finite = torch.isfinite(norm)
+            pair = torch.stack([torch.where(finite, norm, torch.zeros_like(norm)), finite.float()])
+            self.sum = pair if self.sum is None else self.sum + pair
             self.n += 1
 
     def close(self) -> dict[str, float]:
-        """``{"grad_norm": mean}`` for the window (empty without clipping); starts the next window."""
+        """``{"grad_norm": mean}`` over the window's finite norms (empty without clipping, or if none was
+        finite); starts the next window."""
         if self.sum is None:
             return {}
-        out = {"grad_norm": self.sum.item() / max(self.n, 1)}
+        total, count = self.sum.tolist()
         self.sum, self.n = None, 0
-        return out
+        return {"grad_norm": total / count} if count else {}

@@ -62,6 +62,8 @@ def check(cfg: Config, strategy: Any, world_size: int, cuda: bool) -> None:
         f"dist.strategy={strategy.name}": not strategy.captures_graphs,
         f"train.accumulate={cfg.train.accumulate}": cfg.train.accumulate > 1,
         f"train.grad_clip={cfg.train.grad_clip}": cfg.train.grad_clip is not None,
+        "train.activation_checkpoint=true": cfg.train.activation_checkpoint,
+        "train.precision=fp16": cfg.train.precision == "fp16",  # the captured step has no gradient scaler
     }
     clash = [key for key, on in others.items() if on]
     if clash:

@@ -51,7 +51,7 @@ def train(
     """Every rank: build the run, take the run directory (rank 0), resume or start, train; the exit code.
     ``dog``: the watchdog, which hears of every step."""
     started = time.monotonic()
-    check_precision(cfg.train.precision, device)
+    check_precision(cfg.train.precision, device, strategy.of(cfg.dist.strategy))
     settings = determinism.apply(cfg.train.deterministic, device)  # before the first kernel runs
     if settings and env.rank == 0:
         log.info("train.deterministic: %s", ", ".join(settings))

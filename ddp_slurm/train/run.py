@@ -24,6 +24,7 @@ from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train import graphs, loader, step
 from ddp_slurm.train.checkpoint.state import Position
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
+from ddp_slurm.train.precision import make_scaler
 from ddp_slurm.train.strategy import Strategy
 from ddp_slurm.train.task import Context, Task, Tensors
 
@@ -51,6 +52,8 @@ class Run:
     groups: Groups
     """The process groups its collectives name: device tensors on ``train``, host ones on ``host``."""
     pos: Position = field(default_factory=Position)
+    scaler: Any = None
+    """``train.precision=fp16``: the gradient scaler the step uses (its state is checkpointed); None otherwise."""
 
     @property
     def rank(self) -> int:
@@ -102,14 +105,15 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
 
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = task.build_model().to(device)
-    module = strategy.wrap(model, task, device, tc.precision, env.world_size, groups.train)
+    module = strategy.wrap(model, task, device, tc.precision, env.world_size, tc.activation_checkpoint, groups.train)
     optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
     scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
+    scaler = make_scaler(tc.precision, device)
     if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
         train_step = graphs.make_step(module, optimizer, scheduler, task.training_step, device, tc.precision)
     else:
         train_step = step.make_step(
-            module, optimizer, scheduler, task.training_step, device, tc.precision, tc.accumulate, tc.grad_clip
+            module, optimizer, scheduler, task.training_step, device, tc.precision, tc.accumulate, tc.grad_clip, scaler
         )
     return Run(
         cfg,
@@ -126,4 +130,5 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
         eval_data,
         total_steps,
         groups,
+        scaler=scaler,
     )

@@ -24,8 +24,8 @@ NO_GROUPS = Groups()  # one process, or torch's default group for everything (te
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision in ("bf16", "fp16"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
     return contextlib.nullcontext()
 
 
@@ -38,17 +38,19 @@ def make_step(
     precision: str = "fp32",
     accumulate: int = 1,
     grad_clip: float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Callable[[Any], torch.Tensor]:
     """Return ``step(batch) -> loss``: the task's loss (``loss_of(model, batch)``), backward, optimizer and
     schedule steps. Nothing in it waits for the device: the loss comes back as a tensor.
 
-    ``accumulate`` micro-batches per optimizer step and clipping to ``grad_clip`` are ``accumulate.py``'s
-    step (whose ``grad_norm`` holds the norm before clipping); without either, the plain step below."""
+    ``accumulate`` micro-batches per optimizer step, clipping to ``grad_clip`` and fp16's gradient
+    ``scaler`` are ``accumulate.py``'s step (whose ``grad_norm`` holds the norm before clipping); without
+    any of them, the plain step below."""
     cast = autocast(device, precision)
-    if accumulate > 1 or grad_clip is not None:
+    if accumulate > 1 or grad_clip is not None or scaler is not None:
         from ddp_slurm.train.accumulate import AccumulatingStep
 
-        return AccumulatingStep(model, optimizer, scheduler, loss_of, cast, accumulate, grad_clip)
+        return AccumulatingStep(model, optimizer, scheduler, loss_of, cast, accumulate, grad_clip, scaler)
 
     def step(batch: Any) -> torch.Tensor:
         with cast:

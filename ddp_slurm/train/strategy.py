@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ddp_slurm.train import activation
 from ddp_slurm.train.checkpoint.backends import Backend, Sharded, WholeFile
 
 
@@ -31,12 +32,22 @@ class Strategy:
     name: ClassVar[str]
     backend: ClassVar[Backend]
     captures_graphs: ClassVar[bool] = False  # train.cuda_graphs can capture its step
+    scales_fp16: ClassVar[bool] = False  # train.precision=fp16: its ranks agree on each step the scaler skips
 
     def wrap(
-        self, model: nn.Module, task: Any, device: torch.device, precision: str, world_size: int, group: Any = None
+        self,
+        model: nn.Module,
+        task: Any,
+        device: torch.device,
+        precision: str,
+        world_size: int,
+        activation_checkpoint: bool = False,
+        group: Any = None,
     ) -> nn.Module:
         """``model`` (on ``device``, the same weights on every rank) made ready; returns the module the step
-        calls. Called before the optimizer is built. ``group``: the training group (``Groups.train``)."""
+        calls. Called before the optimizer is built. ``activation_checkpoint``: the task's ``shard_units``
+        recompute their forward in backward (``activation.py``), under either strategy. ``group``: the
+        training group (``Groups.train``; None: the default group)."""
         raise NotImplementedError
 
     def eval_batches(
@@ -77,12 +88,22 @@ def _by_name(saved: dict[str, Any], model: nn.Module, optimizer: Any) -> dict[st
 
 class DDP(Strategy):
     name, backend, captures_graphs = "ddp", WholeFile(), True
+    scales_fp16 = True  # the gradients are all-reduced before the scaler checks them: every rank sees the same
 
     def wrap(
-        self, model: nn.Module, task: Any, device: torch.device, precision: str, world_size: int, group: Any = None
+        self,
+        model: nn.Module,
+        task: Any,
+        device: torch.device,
+        precision: str,
+        world_size: int,
+        activation_checkpoint: bool = False,
+        group: Any = None,
     ) -> nn.Module:
         from ddp_slurm.train.ddp import wrap_ddp
 
+        if activation_checkpoint:
+            activation.checkpoint_units(task.shard_units(model))
         return wrap_ddp(model, device, world_size, settle=True, group=group)
 
 
@@ -90,14 +111,24 @@ class FSDP(Strategy):
     name, backend = "fsdp", Sharded()
 
     def wrap(
-        self, model: nn.Module, task: Any, device: torch.device, precision: str, world_size: int, group: Any = None
+        self,
+        model: nn.Module,
+        task: Any,
+        device: torch.device,
+        precision: str,
+        world_size: int,
+        activation_checkpoint: bool = False,
+        group: Any = None,
     ) -> nn.Module:
         from ddp_slurm.train import fsdp
 
         for p in model.parameters():
             if p.dim() == 4 and not p.is_contiguous():  # channels_last: DTensor shards only contiguous weights
                 p.data = p.data.contiguous()
-        return fsdp.shard(model, task.shard_units(model), device, precision, group)  # shards in place
+        units = task.shard_units(model)
+        if activation_checkpoint:
+            activation.checkpoint_units(units)
+        return fsdp.shard(model, units, device, precision, group)  # shards in place
 
     def eval_batches(
         self, batches: Iterator[Any], data: Any, device: torch.device, rank: int, world: int, batch: int

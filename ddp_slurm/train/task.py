@@ -157,7 +157,8 @@ class Task:
     def shard_units(self, model: nn.Module) -> list[nn.Module]:
         """``dist.strategy=fsdp``: the submodules sharded as one unit each (gathered for their forward and
         backward, freed after), the model itself taking the rest. Default: every direct child holding
-        parameters; a transformer returns its blocks. Ignored under DDP."""
+        parameters; a transformer returns its blocks. ``train.activation_checkpoint=true`` recomputes each
+        unit's forward in backward, under ddp and fsdp alike."""
         return default_units(model)
 
     def state_dict(self) -> dict[str, Any]:

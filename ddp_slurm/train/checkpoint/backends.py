@@ -125,7 +125,14 @@ def _rngs(run: Objects) -> list[Any] | None:
 def _rest(record: dict[str, Any], run: Objects, what: str, where: str) -> Position:
     """What follows the model and optimizer, for either backend (``state.resume``)."""
     changed = f"same samples and order, fresh per-rank RNG streams {where}"
-    return state.resume(record, run.scheduler, run.task, run.seed, run.device, run.rank, run.world_size, what, changed)
+    return state.resume(
+        record, run.scheduler, run.task, run.seed, run.device, run.rank, run.world_size, what, changed, _scaler(run)
+    )
+
+
+def _scaler(run: Objects) -> Any:
+    """The run's fp16 gradient scaler, or None (a benchmark's stand-in for a run has no such attribute)."""
+    return getattr(run, "scaler", None)
 
 
 class WholeFile(Backend):
@@ -165,7 +172,7 @@ class WholeFile(Backend):
         if not all_finite(run.model.parameters()):  # one host sync for all of them; rank 0 raises it when writing
             raise ValueError(f"weights are not finite at step {run.pos.step}")
         whole = {"format": format.FORMAT, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
-        record = state.record(run.scheduler, run.task, run.pos, finished, elapsed_s, rngs, run.world_size)
+        record = state.record(run.scheduler, run.task, run.pos, finished, elapsed_s, rngs, run.world_size, _scaler(run))
         return whole | record | extra
 
     def restore(self, path: Path, record: dict[str, Any], run: Objects) -> Position:
@@ -256,7 +263,9 @@ class Sharded(Backend):
                 "optimizer_layout": sharded.optimizer_layout(run.optimizer, osd),
             }
             record = (
-                state.record(run.scheduler, run.task, run.pos, finished, elapsed_s, rngs, run.world_size) | own | extra
+                state.record(run.scheduler, run.task, run.pos, finished, elapsed_s, rngs, run.world_size, _scaler(run))
+                | own
+                | extra
             )
         return {"model": msd, "optim": osd}, record
 

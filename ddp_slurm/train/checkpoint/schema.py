@@ -54,13 +54,42 @@ RESUMABLE: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _scaler(value: Any) -> bool:
+    """None, or a gradient scaler's state as ``torch.amp.GradScaler.state_dict`` makes it (fp16)."""
+    if value is None:
+        return True
+    if not isinstance(value, dict) or set(value) != {
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+    }:
+        return False
+    return (
+        all(_number(value[k]) and value[k] > 0 for k in ("scale", "growth_factor", "backoff_factor"))
+        and _count(value["growth_interval"])
+        and value["growth_interval"] > 0
+        and _count(value["_growth_tracker"])
+    )
+
+
+# key -> (check, what it must be); checked where a record holds it (checkpoints made before it existed do not)
+OPTIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "scaler": (_scaler, "null or a gradient scaler's state"),
+}
+
+
 def check(record: Mapping[str, Any], extra: Mapping[str, tuple[Callable[[Any], bool], str]] = {}) -> None:
     """ValueError naming the first key of ``record`` that a resume could not use (``extra``: the backend's
-    own keys, checked the same way)."""
+    own keys, checked the same way; ``OPTIONAL`` keys where present)."""
     for key, (ok, what) in {**RESUMABLE, **extra}.items():
         if key not in record:
             raise ValueError(f"no {key!r} in it")
         if not ok(record[key]):
+            raise ValueError(f"its {key} is not {what} ({record[key]!r:.40})")
+    for key, (ok, what) in OPTIONAL.items():
+        if key in record and not ok(record[key]):
             raise ValueError(f"its {key} is not {what} ({record[key]!r:.40})")
     if record["step_in_epoch"] > record["step"]:
         raise ValueError(f"its step_in_epoch {record['step_in_epoch']} is beyond its step {record['step']}")

@@ -62,11 +62,19 @@ def gather(obj: Any, rank: int, world_size: int, group: Any) -> list[Any] | None
 
 
 def record(
-    scheduler: Any, task: Any, pos: Position, finished: bool, elapsed_s: float, rngs: list[Any], world_size: int
+    scheduler: Any,
+    task: Any,
+    pos: Position,
+    finished: bool,
+    elapsed_s: float,
+    rngs: list[Any],
+    world_size: int,
+    scaler: Any = None,
 ) -> dict[str, Any]:
     """What every checkpoint holds beside the model and optimizer, whatever its backend: schedule, task
-    state, position, every rank's RNG streams."""
+    state, position, every rank's RNG streams, and fp16's gradient scaler (None without one)."""
     return {
+        "scaler": None if scaler is None else scaler.state_dict(),
         "scheduler": scheduler.state_dict(),
         "task": task.state_dict(),
         "step": pos.step,
@@ -105,11 +113,14 @@ def resume(
     world_size: int,
     what: str,
     changed: str,
+    scaler: Any = None,
 ) -> Position:
-    """What follows the model and optimizer, for every backend: the schedule, the task's own state, this
-    rank's RNG streams (fresh ones at another world size, with one warning saying what ``changed``), and
-    the position to continue from."""
+    """What follows the model and optimizer, for every backend: the schedule, fp16's gradient scaler, the
+    task's own state, this rank's RNG streams (fresh ones at another world size, with one warning saying
+    what ``changed``), and the position to continue from."""
     scheduler.load_state_dict(record["scheduler"])
+    if scaler is not None and record.get("scaler"):  # the same precision: the run's config says so
+        scaler.load_state_dict(record["scaler"])
     task.load_state_dict(record["task"])
     if len(record["rng"]) == world_size:
         rng.set_rng_state(record["rng"][rank], device)
