@@ -20,6 +20,7 @@ from ddp_slurm.config import Config
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.exitcodes import EXIT_FAILURE
 from ddp_slurm.train import loggers
+from ddp_slurm.train.hooks import syncdebug
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
 log = logging.getLogger("ddp_slurm")
@@ -77,6 +78,7 @@ def train(
         env = DistEnv.from_environ(os.environ)
         config.check_world_size(cfg, env.world_size)
         check_graphs(cfg, env)
+        syncdebug.mode_from(os.environ)  # DDP_SLURM_SYNC_DEBUG: a bad value refused before anything exists
         loggers.require(cfg)
         task_cls = check_task(cfg, env, task)
         if stop is None:
