@@ -1,15 +1,21 @@
-"""``train.accumulate`` and ``train.grad_clip``: the step's arithmetic in process, then real training
+"""``train.accumulate`` and ``train.grad_clip``: the step's arithmetic in process, the same at 2 real
+ranks under ddp and fsdp (FSDP's gradients stay sharded between micro-batches), then real training
 through torchrun (DDP's ``no_sync`` path at 2 ranks), a stop signal and an exact resume."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import test_resume
 import torch
+from conftest import base_env
 from test_resume import Launch, assert_resumed_from, assert_stopped, run_to_end, start
 from torch import nn
 
@@ -86,6 +92,90 @@ def test_clipping_bounds_the_update_and_reports_the_norm_before_it() -> None:
     assert moved.norm().item() == pytest.approx(FIRST * 1e-3, rel=1e-3)
     unclipped = torch.cat([(a - b).flatten() for a, b in zip(free.parameters(), start_weights.parameters())])
     assert unclipped.norm().item() == pytest.approx(FIRST * norm.item(), rel=1e-3)
+
+
+TWO_RANKS = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import ddp_slurm
+    from ddp_slurm.bench.strategy_worker import held_grad_bytes, local_bytes
+    from ddp_slurm.config import TrainConfig
+    from ddp_slurm.train import accumulate, step, strategy
+    from ddp_slurm.train.optim import make_optimizer, make_scheduler
+    from ddp_slurm.train.task import Task
+
+    rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(10 + rank)  # each rank its own share of the global batch
+    batches = [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(3)]
+
+    def loss_of(m, b):
+        return ((m(b[0]) - b[1]) ** 2).mean()
+
+    def trained(name, n):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 1))
+        net = strategy.of(name).wrap(model, Task(None, None), cpu, "fp32", 2)
+        cfg = TrainConfig(optimizer="adam", lr=0.01, schedule="constant")
+        opt = make_optimizer(cfg, model.parameters(), cpu)
+        train_step = step.make_step(net, opt, make_scheduler(cfg, opt, 10), loss_of, cpu, accumulate=n)
+        losses = [train_step(b).item() for b in batches]
+        full = [getattr(p, "full_tensor", lambda p=p: p)().detach().tolist() for p in model.parameters()]
+        return model, net, full, losses
+
+    result = {}
+    for name in ("ddp", "fsdp"):
+        _, _, one, loss1 = trained(name, 1)
+        model, net, two, loss2 = trained(name, 2)
+        # a micro-batch that is not the last: what the rank holds after its backward
+        with accumulate.no_sync(net):
+            loss_of(net, (batches[0][0][:4], batches[0][1][:4])).backward()
+        own = sum(local_bytes(p) for p in model.parameters())
+        result[name] = {"one": one, "two": two, "loss1": loss1, "loss2": loss2,
+                        "held": held_grad_bytes(model), "own": own}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+    ddp_slurm.exit_now(0)  # a DDP reducer keeps gloo's threads alive past the destroy (see test_step)
+""")
+
+
+def test_two_ranks_accumulate_as_one_batch_under_ddp_and_fsdp(tmp_path: Path) -> None:
+    """2 ranks, the same global batch: 3 Adam steps with accumulate=2 end within float rounding of
+    accumulate=1, under ddp and fsdp alike; after a micro-batch that is not the last, an fsdp rank holds
+    only its shard of the gradient (the size of its parameter shard), a ddp rank the whole of it."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(tmp_path / f"out{rank}.json")],
+            env=base_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    for p in procs:
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output
+    r0, r1 = (json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2))
+    whole = 4 * (4 * 8 + 8 + 8 + 1)  # fp32 bytes of the whole model
+    for name in ("ddp", "fsdp"):
+        for r in (r0, r1):
+            got = r[name]
+            for a, b in zip(got["one"], got["two"]):
+                torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-6)
+            assert got["loss1"] == pytest.approx(got["loss2"], rel=1e-5, abs=1e-6)
+        assert r0[name]["one"] == r1[name]["one"]  # every rank ends with the same model
+    assert r0["ddp"]["held"] == r0["ddp"]["own"] == whole
+    for r in (r0, r1):  # sharded: the gradient bytes held are the rank's parameter shard, not the whole
+        assert r["fsdp"]["held"] == r["fsdp"]["own"] < whole
+    assert r0["fsdp"]["own"] + r1["fsdp"]["own"] == whole
 
 
 def test_a_batch_that_does_not_split_is_refused_in_one_line() -> None:

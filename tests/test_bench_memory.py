@@ -88,3 +88,17 @@ def test_checkpoint_fsdp_smoke(tmp_path: Path) -> None:
         assert r["stop_to_durable_s"] > 0
     assert p["stall_ratio"] == pytest.approx(p["async_stall_s"] / p["sync_stall_s"])
     assert "sharded checkpoint stall" in text and not list(tmp_path.glob(".bench-checkpoint-fsdp-*"))
+
+
+def test_memory_refuses_an_accumulation_that_does_not_split_the_batch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import base_env
+
+    for value, says in (("3", "--accumulate 3: must divide the 32 samples"), ("64", "an integer from 1 to 32")):
+        res = subprocess.run(
+            [sys.executable, "-m", "ddp_slurm.bench", "memory", "--accumulate", value],
+            cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and says in res.stderr, res.stderr

@@ -521,6 +521,33 @@ def test_enough_gpus_or_one_per_task_is_not_sharing(count: int, local_world_size
         group.check_gpu_sharing(count, local_rank, local_world_size)  # raises nothing
 
 
+@pytest.mark.parametrize(
+    ("launcher", "environ", "bound"),
+    [
+        ("slurm", {"SLURM_GPUS_PER_TASK": "2"}, 2),
+        ("slurm", {"SLURM_GPUS_PER_TASK": "a100:2"}, 2),
+        ("torchrun", {"SLURM_GPUS_PER_TASK": "2"}, None),  # torchrun's ranks share their task's GPUs
+        ("slurm", {}, None),
+        ("slurm", {"SLURM_GPUS_PER_TASK": "two"}, None),
+        ("slurm", {"SLURM_GPUS_PER_TASK": "0"}, None),
+    ],
+)
+def test_gpus_bound_per_task_are_read_from_slurm(launcher: str, environ: dict[str, str], bound: int | None) -> None:
+    assert group.bound_gpus_per_task(launcher, environ) == bound
+
+
+def test_several_gpus_bound_to_each_task_are_not_sharing() -> None:
+    """--gpus-per-task=2 under srun, 4 tasks on the node: each rank sees its task's own 2 GPUs. The same
+    count seen by 4 torchrun ranks of one task (nothing bound per rank) is sharing, and refused."""
+    environ = {"SLURM_GPUS_PER_TASK": "2"}
+    for local_rank in range(4):
+        group.check_gpu_sharing(2, local_rank, 4, group.bound_gpus_per_task("slurm", environ))  # raises nothing
+    with pytest.raises(BootstrapError, match="would share GPU"):
+        group.check_gpu_sharing(2, 3, 4, group.bound_gpus_per_task("torchrun", environ))
+    with pytest.raises(BootstrapError, match="would share GPU"):  # 2 bound, yet 4 seen: not Slurm's binding
+        group.check_gpu_sharing(4, 5, 8, 2)
+
+
 def test_nccl_errors_keep_their_last_line() -> None:
     """torch's NCCL errors put the cause on the last line ("Last error: ..."), after a source location."""
     env = _env("head")

@@ -143,6 +143,45 @@ def test_disabled_saves_synchronously(tmp_path: Path) -> None:
     assert not ckpt.in_flight and checkpoint.load_latest(tmp_path)["step"] == 3
 
 
+def test_a_synchronous_save_of_gpu_state_copies_it_to_host_and_waits_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint.async=false on a GPU: the state is copied to host buffers in one batch and the save waits
+    for the last copy only (torch.save of live CUDA tensors would wait once per tensor); torch.save then
+    sees host tensors. No GPU here: the snapshot's copy and its CUDA events are stand-ins."""
+    from ddp_slurm.train.checkpoint import writer as writer_module
+
+    waits: list[int] = []
+
+    class Event:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def synchronize(self) -> None:
+            waits.append(self.i)
+
+    copies: list[dict[str, Any]] = []
+
+    def copy(state: dict[str, Any]) -> tuple[dict[str, Any], list[Event]]:
+        host = {k: v for k, v in state.items()} | {"copied": True}
+        copies.append(host)
+        return host, [Event(i) for i in range(5)]
+
+    saved: list[dict[str, Any]] = []
+    real_save = writer_module.checkpoint.save
+
+    def save(run_dir: Path, state: dict[str, Any], *args: Any, **kwargs: Any) -> Path:
+        saved.append(state)
+        return real_save(run_dir, {k: v for k, v in state.items() if k != "copied"}, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "on_gpu", lambda state: True)
+    monkeypatch.setattr(writer_module.checkpoint, "save", save)
+    ckpt = AsyncCheckpointer(tmp_path, keep=3, enabled=False)
+    monkeypatch.setattr(ckpt._snap, "copy", copy)
+    assert ckpt.save(small_state(3)) == tmp_path / "checkpoints" / "step-3.pt"
+    assert waits == [4] and len(copies) == 1 and len(saved) == 1 and saved[0] is copies[0]
+
+
 def test_writer_failure_surfaces_on_the_next_poll_as_one_line(tmp_path: Path, writer: str) -> None:
     """The checkpoint directory cannot be created (a file is in its way): the writer's error is kept
     and raised by the next poll() as checkpoint.CheckpointError, once."""

@@ -116,6 +116,11 @@ CLAIMED = {
         "benchmarks/gpu_check.sh",
         "--cuda-graphs",
     ),
+    "bash benchmarks/gpu_check.sh": ("tests/test_gpu_check.py", "gpu_check.sh"),
+    "bash benchmarks/gpu_check.sh --dry-run": (
+        "tests/test_gpu_check.py::test_the_script_parses_and_its_dry_run_lists_every_stage",
+        '"--dry-run"',
+    ),
     "python -m ddp_slurm.bench overhead --device cpu --model mlp --threads 1": (
         "tests/test_bench.py::test_overhead_smoke",
         '"overhead"',

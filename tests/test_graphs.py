@@ -133,3 +133,44 @@ def test_a_capture_error_names_the_tasks_line() -> None:
     assert "\n" not in line
     assert f"{__file__}:" in line and "(raise RuntimeError" in line, line
     assert "operation not permitted when stream is capturing" in line and "train.cuda_graphs=false" in line
+
+
+def test_a_task_with_state_of_its_own_is_refused_before_anything_starts() -> None:
+    """training_step runs only at the warm-up and the capture: a task that keeps state (overrides
+    state_dict) is refused in one line on any machine; the bundled task is not."""
+    from ddp_slurm.tasks.mnist.task import MNIST
+
+    class WithEMA(MNIST):
+        def state_dict(self):
+            return {"ema": 0.0}
+
+    cfg = config.load(overrides=["train.cuda_graphs=true"])
+    with pytest.raises(ConfigError, match=r"calls WithEMA.training_step only to warm up and capture .* state_dict"):
+        graphs.check(cfg, DDP(), 1, cuda=True, task_cls=WithEMA)
+    graphs.check(cfg, DDP(), 1, cuda=True, task_cls=MNIST)
+
+
+def test_a_schedule_of_momentum_is_refused_at_the_first_replay_it_changes() -> None:
+    """Only the learning rate is fed to the graph: a scheduler that moves momentum (OneCycleLR's
+    cycle_momentum) stops training with one line at the first replay after it does. The graph and
+    its inputs are stand-ins (no GPU here); the check runs on the host after the scheduler steps."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    constant = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10, cycle_momentum=False)
+    step = graphs.GraphedStep(model, opt, constant, lambda m, b: m(b).sum(), torch.device("cpu"), "fp32")
+    step.graph, step.inputs, step.loss = (
+        SimpleNamespace(replay=opt.step),
+        SimpleNamespace(fill=lambda b: None),
+        torch.zeros(()),
+    )
+    step.lrs = [torch.zeros(())]
+    step.fixed = graphs.fixed_hyperparameters(opt.param_groups)
+    step(torch.zeros(1, 2))  # the learning rate moves, nothing else: fine
+    step.scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10, cycle_momentum=True)
+    step.fixed = graphs.fixed_hyperparameters(opt.param_groups)
+    with pytest.raises(
+        graphs.GraphError, match=r"the schedule changed momentum of parameter group 0 .* only the learning rate"
+    ):
+        step(torch.zeros(1, 2))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import Launcher, base_env
 
+from ddp_slurm.errors import UsageError
 from ddp_slurm.train.hooks import syncdebug
 
 
@@ -31,5 +33,18 @@ def test_the_watch_starts_after_the_warm_up_of_each_launch() -> None:
 
 
 def test_a_wrong_value_is_named() -> None:
-    with pytest.raises(ValueError, match="DDP_SLURM_SYNC_DEBUG='loud': expected one of warn, error"):
+    with pytest.raises(UsageError, match="DDP_SLURM_SYNC_DEBUG='loud': expected one of warn, error"):
         syncdebug.SyncWatch("loud", 0)
+    with pytest.raises(UsageError, match="DDP_SLURM_SYNC_DEBUG='on'"):  # on CPU too: the value is wrong anywhere
+        syncdebug.SyncWatch.from_environ({syncdebug.ENV: "on"}, torch.device("cpu"), 0)
+    assert syncdebug.mode_from({syncdebug.ENV: ""}) is None
+
+
+def test_a_wrong_value_stops_training_before_the_run_directory_exists(launcher: Launcher) -> None:
+    res = launcher.run(
+        launcher.cmd_train("model.name=mlp", "run.name=sd"), timeout=120, env=base_env(DDP_SLURM_SYNC_DEBUG="raise")
+    )
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines == ["ddp_slurm.train: error: DDP_SLURM_SYNC_DEBUG='raise': expected one of warn, error (or unset)"]
+    assert not (launcher.cwd / "runs").exists()

@@ -16,6 +16,9 @@ the bytes one step keeps for backward with and without checkpointing each unit (
 CUDA: ``max_memory_allocated``) and their ratio, on the same stack (``--batch`` samples; a stack of
 Linear+ReLU blocks keeps only each block's input either way, so its ratio is about 1) or on a task's
 model, units and first ``--batch`` training samples (``--task examples/addition/task.py:Addition``).
+``--accumulate N`` runs each step as N micro-batches (``train.accumulate``) of the ``BATCH`` samples a
+rank takes per step; the gradient bytes are then the most a rank held at any micro-batch boundary, FSDP's
+unsharded gradients included (docs/scaling.md: under fsdp they stay sharded, about 1/N of DDP's).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ddp_slurm.bench import activations, common, flags
 STRATEGIES = ("ddp", "fsdp")
 MAX_WIDTH, MAX_DEPTH = 1 << 16, 10_000  # their product is bounded by the host's memory (measure)
 BYTES_PER_PARAM = 16  # fp32 parameter, gradient and Adam's two moments: what a DDP rank holds
+BATCH = 32  # samples per rank per step (strategy_worker's --batch), split into --accumulate micro-batches
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=argtypes.integer(1, MAX_WIDTH), default=1024, help="width of each linear block")
     p.add_argument("--depth", type=argtypes.integer(1, MAX_DEPTH), default=8, help="linear blocks (each one FSDP unit)")
     p.add_argument("--steps", type=flags.steps(), default=5, help="steps timed after 2 warm-up steps")
+    p.add_argument(
+        "--accumulate",
+        type=argtypes.integer(1, BATCH, f"the {BATCH} samples per rank per step"),
+        default=1,
+        help=f"micro-batches per step (train.accumulate); must divide the {BATCH} samples per rank",
+    )
     p.add_argument("--timeout", type=flags.seconds(), default=600.0, help="seconds before a rank is given up")
     p.add_argument("--batch", type=argtypes.integer(1, 1 << 16), default=32, help="samples of the activation measure")
     p.add_argument(
@@ -84,6 +94,8 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     flags.check_memory(
         f"--width {args.width} --depth {args.depth} --world {args.world}", args.world * BYTES_PER_PARAM * params
     )
+    if BATCH % args.accumulate:
+        raise common.BenchError(f"--accumulate {args.accumulate}: must divide the {BATCH} samples per rank per step")
     device = common.resolve_device("auto")
     if args.task:  # a task that cannot be used is one line before any rank starts
         from ddp_slurm.config import ConfigError
@@ -96,11 +108,13 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
         build = activations.linear_stack(args.width, args.depth, args.batch, device)
     per_rank_threads = 1
     extra = ["--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps)]
+    extra += ["--batch", str(BATCH), "--accumulate", str(args.accumulate)]
     with tempfile.TemporaryDirectory(prefix=".bench-memory-", dir=Path.cwd()) as tmp:
         by = {s: run_ranks("memory", s, args.world, per_rank_threads, Path(tmp), args.timeout, extra) for s in chosen}
     payload = common.header(
         "memory", "cuda" if by[chosen[0]][0]["peak_kind"].startswith("cuda") else "cpu", per_rank_threads,
         strategies=chosen, world=args.world, width=args.width, depth=args.depth, steps=args.steps,
+        accumulate=args.accumulate,
     )  # fmt: skip
     summary = {}
     for s, ranks in by.items():
@@ -108,6 +122,7 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
             "ranks": ranks,
             "num_params": ranks[0]["num_params"],
             "model_state_bytes": max(r["model_state_bytes"] for r in ranks),
+            "grad_bytes": max(r["grad_bytes"] for r in ranks),
             "peak_bytes": max(r["peak_bytes"] for r in ranks),
             "step_s": max(r["step_s"] for r in ranks),
         }
@@ -116,6 +131,7 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     if "ddp" in summary and "fsdp" in summary:
         ddp, fsdp = summary["ddp"], summary["fsdp"]
         payload["fsdp_over_ddp"] = fsdp["model_state_bytes"] / ddp["model_state_bytes"]
+        payload["fsdp_over_ddp_grads"] = fsdp["grad_bytes"] / ddp["grad_bytes"]
         payload["fsdp_over_ddp_peak"] = fsdp["peak_bytes"] / max(ddp["peak_bytes"], 1)
         payload["fsdp_over_ddp_step_time"] = fsdp["step_s"] / ddp["step_s"]
         payload["target"] = 1 / args.world + 0.1
@@ -141,10 +157,19 @@ def render(p: dict[str, Any]) -> str:
     params = p["params"]
     first = next(iter(p["strategies"].values()))
     notes = [f"{first['num_params']:,} parameters; peak: {first['ranks'][0]['peak_kind']}"]
+    if params.get("accumulate", 1) > 1:
+        notes.append(f"train.accumulate={params['accumulate']}: grads = the most held at a micro-batch boundary")
+    for s, r in p["strategies"].items():
+        if s == "fsdp":
+            share = r["grad_bytes"] / (4 * r["num_params"])
+            notes.append(
+                f"fsdp gradient bytes per rank / the whole fp32 gradient = {share:.3f} (1/N = {1 / params['world']:.3f})"
+            )
     if "fsdp_over_ddp" in p:
         notes.append(
             f"fsdp_over_ddp (model state per rank) = {p['fsdp_over_ddp']:.3f} (target <= 1/N + 0.1 = "
-            f"{p['target']:.3f}); peak {p['fsdp_over_ddp_peak']:.2f}x, step time {p['fsdp_over_ddp_step_time']:.2f}x"
+            f"{p['target']:.3f}); grads {p['fsdp_over_ddp_grads']:.3f}; peak {p['fsdp_over_ddp_peak']:.2f}x, "
+            f"step time {p['fsdp_over_ddp_step_time']:.2f}x"
         )
     a = p["activations"]
     ratio = "n/a" if a["ratio"] is None else f"{a['ratio']:.3f}"

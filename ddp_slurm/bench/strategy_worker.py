@@ -4,7 +4,9 @@ blocks of ``--width`` trained with Adam under DDP or FSDP2, built the way ``ddp_
 
 ``--mode memory``: per-rank bytes of parameters, gradients and optimizer state (the local shards under
 FSDP), peak memory (CUDA: ``max_memory_allocated``; CPU: peak RSS above the RSS before the model was
-built), and time per step. ``--mode checkpoint``: per-checkpoint stall of sharded saves through
+built), and time per step. With ``--accumulate N`` the step runs N micro-batches (``train.accumulate``)
+and the gradient bytes are the most a rank held at any micro-batch boundary: its ``.grad`` tensors
+plus any unsharded gradient FSDP keeps between micro-batches (``held_grad_bytes``). ``--mode checkpoint``: per-checkpoint stall of sharded saves through
 ``checkpoint.sharded_writer.ShardedCheckpointer``, synchronous and asynchronous (the call, plus what the background
 write costs the steps that run beside it, against the same number of undisturbed steps).
 Writes one JSON object to ``--out``.
@@ -39,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (must divide --batch)")
     p.add_argument("--rounds", type=int, default=3, help="checkpoints per mode (--mode checkpoint)")
     p.add_argument("--dir", type=Path, default=None, help="run directory for checkpoints (--mode checkpoint)")
     p.add_argument("--out", type=Path, required=True)
@@ -50,7 +53,26 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any, Any]:
+def held_grad_bytes(model: nn.Module) -> int:
+    """Gradient bytes this rank holds now: every parameter's ``.grad`` (its local shard under FSDP) plus
+    the unsharded gradients FSDP2 keeps between backward passes when gradient sync is off (FSDP's own
+    ``unsharded_accumulated_grad`` / unsharded ``.grad``; private attributes, read defensively)."""
+    held = sum(local_bytes(p.grad) for p in model.parameters())
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        for group in getattr(state(), "_fsdp_param_groups", []):
+            for fsdp_param in group.fsdp_params:
+                held += local_bytes(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                held += local_bytes(unsharded.grad if unsharded is not None else None)
+    return held
+
+
+def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any, Any, list[int]]:
+    """The model, its optimizer, the step, and a one-item list the step keeps at the most gradient bytes
+    held at a micro-batch boundary."""
     from ddp_slurm.config import TrainConfig
     from ddp_slurm.train import step, strategy
     from ddp_slurm.train.task import Task
@@ -62,8 +84,14 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, An
     cfg = TrainConfig(schedule="constant", lr=1e-4)
     optimizer = make_optimizer(cfg, model.parameters(), device)
     scheduler = make_scheduler(cfg, optimizer, 10**9)
-    train_step = step.make_step(net, optimizer, scheduler, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), device)
-    return model, optimizer, train_step
+    held = [0]  # the most gradient bytes seen at a micro-batch boundary (--accumulate)
+
+    def loss_of(m: nn.Module, b: Any) -> torch.Tensor:
+        held[0] = max(held[0], held_grad_bytes(model))  # before this micro-batch: what the ones before left
+        return (m(b[0]) - b[1]).pow(2).mean()
+
+    train_step = step.make_step(net, optimizer, scheduler, loss_of, device, accumulate=args.accumulate)
+    return model, optimizer, train_step, held
 
 
 def local_bytes(t: torch.Tensor | None) -> int:
@@ -77,7 +105,7 @@ def memory(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     base = rss_bytes()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, optimizer, train_step = build(args, device)
+    model, optimizer, train_step, held = build(args, device)
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
     x = torch.randn(args.batch, args.width, device=device, generator=gen)
     y = torch.randn(args.batch, 1, device=device, generator=gen)
@@ -90,7 +118,7 @@ def memory(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         train_step((x, y)).item()
         times.append(time.perf_counter() - start)
     params = sum(local_bytes(p) for p in model.parameters())
-    grads = sum(local_bytes(p.grad) for p in model.parameters())
+    grads = max(held_grad_bytes(model), held[0])
     opt_state = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     peak = (
         torch.cuda.max_memory_allocated(device)
@@ -118,7 +146,7 @@ def checkpoint_stall(args: argparse.Namespace, device: torch.device) -> dict[str
     from ddp_slurm.train.checkpoint.sharded_writer import ShardedCheckpointer
     from ddp_slurm.train.checkpoint.state import Position
 
-    model, optimizer, train_step = build(args, device)
+    model, optimizer, train_step, _ = build(args, device)
     x = torch.randn(args.batch, args.width, device=device)
     y = torch.randn(args.batch, 1, device=device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)

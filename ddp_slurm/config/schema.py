@@ -156,11 +156,14 @@ class TrainConfig:
     slower); an op without one raises. CPU runs are bit-exact either way. Guarantees: docs/determinism.md."""
     accumulate: int = checked(1, check=lambda v: v >= 1, expected="an integer >= 1")
     """Micro-batches per optimizer step: each rank's share of ``global_batch_size`` is split into this many,
-    and gradients are synchronised only after the last one. Steps, checkpoints and stops count optimizer steps."""
+    and gradients cross ranks only after the last one under ddp; under fsdp each one reduce-scatters into the
+    sharded gradient (docs/scaling.md). Steps, checkpoints and stops count optimizer steps."""
     cuda_graphs: bool = False
     """Capture the whole step (forward, backward, optimizer; the schedule's rate in a device tensor) once
     as a CUDA graph and replay it: for small models, whose kernels take less time than launching them.
-    World size 1, the runtime's fused optimizer, batches of one shape; refused on CPU. docs/gpu.md."""
+    World size 1, the runtime's fused optimizer, batches of one shape; refused on CPU. ``training_step`` runs
+    only at the warm-up and the capture: a task with state of its own is refused, a schedule of anything but
+    the learning rate stops training. docs/gpu.md."""
     grad_clip: float | None = checked(None, check=lambda v: v is None or v > 0, expected="null or a number > 0")
     """Clip gradients to this global L2 norm before each optimizer step (null: no clipping); the norm before
     clipping is logged as ``grad_norm``."""

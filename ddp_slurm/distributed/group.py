@@ -56,14 +56,16 @@ def configure_threads(env: DistEnv, environ: Mapping[str, str]) -> int:
     return threads
 
 
-def pick_device_and_backend(requested: str, local_rank: int, local_world_size: int = 1) -> tuple[torch.device, str]:
+def pick_device_and_backend(
+    requested: str, local_rank: int, local_world_size: int = 1, gpus_per_task: int | None = None
+) -> tuple[torch.device, str]:
     """Choose the backend (``auto``, ``nccl`` or ``gloo``) and this rank's device.
 
     The GPU is ``local_rank % device_count``: CUDA_VISIBLE_DEVICES is never rewritten, so
     with ``srun --gpus-per-task=1`` every task sees one device and uses index 0. Where a task sees
     several GPUs but the node has more ranks than that, two ranks would share a GPU: NCCL then
     fails with "invalid usage" (or two ranks crowd one device), so that is refused here, on every
-    rank of the node alike, before any rank joins the group.
+    rank of the node alike, before any rank joins the group. ``gpus_per_task``: ``bound_gpus_per_task``.
     """
     import torch
 
@@ -76,22 +78,33 @@ def pick_device_and_backend(requested: str, local_rank: int, local_world_size: i
     if not has_cuda:
         return torch.device("cpu"), backend
     count = torch.cuda.device_count()
-    check_gpu_sharing(count, local_rank, local_world_size)
+    check_gpu_sharing(count, local_rank, local_world_size, gpus_per_task)
     device = torch.device("cuda", local_rank % count)
     torch.cuda.set_device(device)
     return device, backend
 
 
-def check_gpu_sharing(count: int, local_rank: int, local_world_size: int) -> None:
+def bound_gpus_per_task(launcher: str, environ: Mapping[str, str]) -> int | None:
+    """The GPUs Slurm bound to this rank's own task (``--gpus-per-task=N``, which implies
+    ``--gpu-bind=per_task:N``), where each rank is a task of its own (``launcher == "slurm"``, srun);
+    None otherwise (torchrun's ranks share their task's GPUs; no such request; a value not understood).
+    ``SLURM_GPUS_PER_TASK`` is ``[type:]N``."""
+    value = environ.get("SLURM_GPUS_PER_TASK", "").rsplit(":", 1)[-1]
+    return int(value) if launcher == "slurm" and value.isdigit() and int(value) > 0 else None
+
+
+def check_gpu_sharing(count: int, local_rank: int, local_world_size: int, gpus_per_task: int | None = None) -> None:
     """Refuse a node whose ranks would share GPUs: one line that names the pair and the fix.
 
     One visible GPU per task is fine whatever the number of ranks: that is Slurm's per-task
-    binding (``--gpus-per-task=1``), where every task's "GPU 0" is another device. Two ranks that
-    still land on one device there are caught by NCCL ("Duplicate GPU detected"), whose line
-    ``_rendezvous_error`` keeps.
+    binding (``--gpus-per-task=1``), where every task's "GPU 0" is another device. So are N visible
+    GPUs where Slurm bound N to each task (``gpus_per_task == count``, ``--gpus-per-task=N`` under
+    srun): every GPU a rank sees is its task's own; the rank uses one of them (``local_rank % count``)
+    and the others idle. Two ranks that still land on one device are caught by NCCL ("Duplicate GPU
+    detected"), whose line ``_rendezvous_error`` keeps.
     """
     ranks = max(local_world_size, local_rank + 1)
-    if count <= 1 or ranks <= count:
+    if count <= 1 or ranks <= count or gpus_per_task == count:
         return
     first = count if local_rank < count else local_rank  # the first rank past the GPUs, or this one
     raise BootstrapError(
@@ -265,7 +278,8 @@ def init_distributed(
             ) from None
     configure_threads(env, os.environ)
     hostmem.keep_freed_memory(os.environ)  # no page faults on every CPU step (see hostmem)
-    device, backend = pick_device_and_backend(backend, env.local_rank, env.local_world_size)
+    gpus_per_task = bound_gpus_per_task(env.launcher, os.environ)
+    device, backend = pick_device_and_backend(backend, env.local_rank, env.local_world_size, gpus_per_task)
     fix_loopback_ifname(env, os.environ)
     timeout = timedelta(seconds=timeout_s)
     device_id = device if backend == "nccl" else None  # binds NCCL's communicator eagerly

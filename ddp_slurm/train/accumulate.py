@@ -3,10 +3,22 @@
 One optimizer step takes the rank's whole share of the global batch (``global_batch_size / world_size``
 samples, the loader's batch) and splits it into ``accumulate`` micro-batches along the first dimension.
 Each micro-batch runs forward and backward with its loss divided by ``accumulate``, so the summed
-gradient is the gradient of the mean loss over the rank's share, as with one batch. Gradients cross
-ranks only after the last micro-batch (DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``): the
-communication per optimizer step stays what it was. The data order, the position and the stop vote
-count optimizer steps, so a stop always lands between two of them and a resume is exact.
+gradient is the gradient of the mean loss over the rank's share, as with one batch.
+
+How gradients cross ranks depends on the strategy, and the choice is made for memory:
+
+- DDP: only after the last micro-batch (``no_sync`` around the others). Every rank holds the whole
+  gradient anyway, so holding it unsynchronised costs nothing, and the all-reduce per optimizer step
+  stays one.
+- FSDP2: every micro-batch's backward reduce-scatters as usual, and FSDP adds each reduced shard into
+  the sharded ``.grad`` (1/N of the gradient per rank), as torchtitan does. Skipping the sync
+  (``set_requires_gradient_sync(False)``) would keep an *unsharded* accumulated gradient on every
+  rank (4 bytes per parameter in fp32), which is the memory FSDP is chosen to save. The cost is one
+  reduce-scatter per micro-batch; the all-gathers per micro-batch happen either way (units reshard
+  after forward and backward).
+
+The data order, the position and the stop vote count optimizer steps, so a stop always lands between
+two of them and a resume is exact.
 
 Clipping scales every gradient by ``min(1, grad_clip / norm)`` where ``norm`` is the L2 norm over all
 gradients of the model (torch's ``clip_grad_norm_``, which reduces over the shards of FSDP's DTensors),
@@ -23,7 +35,7 @@ the position and the schedule count steps as without it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,22 +58,13 @@ def split(batch: Any, n: int) -> list[Any]:
     return [batch] * n  # a plain value (a flag, a string) rides along with every micro-batch
 
 
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Backward without crossing ranks: gradients only accumulate locally (DDP, FSDP2, or a bare model)."""
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The context of a micro-batch's backward that is not the last: DDP's ``no_sync`` (gradients only
+    accumulate locally); nothing for FSDP2 (each micro-batch reduce-scatters into the sharded ``.grad``,
+    see the module's docstring) and for a bare model (one process: nothing to synchronise)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-        return
-    fsdp = getattr(model, "set_requires_gradient_sync", None)
-    if fsdp is None:  # one process: nothing to synchronise
-        yield
-        return
-    fsdp(False)
-    try:
-        yield
-    finally:
-        fsdp(True)
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 def clip(model: nn.Module, max_norm: float) -> torch.Tensor:

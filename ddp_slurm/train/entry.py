@@ -20,6 +20,7 @@ from ddp_slurm.config import Config
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.exitcodes import EXIT_FAILURE
 from ddp_slurm.train import loggers
+from ddp_slurm.train.hooks import syncdebug
 from ddp_slurm.train.signals import StopFlag, parse_signal
 
 log = logging.getLogger("ddp_slurm")
@@ -37,15 +38,15 @@ def check_task(cfg: Config, env: DistEnv, cls: type | None = None) -> type:
     return cls
 
 
-def check_graphs(cfg: Config, env: DistEnv) -> None:
-    """train.cuda_graphs where it cannot hold (CPU, several ranks, a strategy it cannot capture):
-    ConfigError before anything starts."""
+def check_graphs(cfg: Config, env: DistEnv, task_cls: type) -> None:
+    """train.cuda_graphs where it cannot hold (CPU, several ranks, a strategy it cannot capture, a task
+    with state of its own): ConfigError before anything starts."""
     if cfg.train.cuda_graphs:
         import torch
 
         from ddp_slurm.train import graphs, strategy
 
-        graphs.check(cfg, strategy.of(cfg.dist.strategy), env.world_size, torch.cuda.is_available())
+        graphs.check(cfg, strategy.of(cfg.dist.strategy), env.world_size, torch.cuda.is_available(), task_cls)
 
 
 def run(task: type | str | None = None, overrides: Iterable[str] = (), config_file: str | Path | None = None) -> int:
@@ -76,9 +77,10 @@ def train(
         cfg = config.load(config_file, overrides, task=task)
         env = DistEnv.from_environ(os.environ)
         config.check_world_size(cfg, env.world_size)
-        check_graphs(cfg, env)
+        syncdebug.mode_from(os.environ)  # DDP_SLURM_SYNC_DEBUG: a bad value refused before anything exists
         loggers.require(cfg)
         task_cls = check_task(cfg, env, task)
+        check_graphs(cfg, env, task_cls)
         if stop is None:
             stop = StopFlag(parse_signal(cfg.slurm.signal))
         else:  # installed early for every candidate signal: now only slurm.signal requeues

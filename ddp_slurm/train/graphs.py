@@ -20,6 +20,14 @@ optimizer) once and replays them with one launch. What that takes, and how it is
   exactly the state the run was at, and the state the checkpoint holds is the one the graph updates.
   A resumed run captures again from its restored state, so stop-and-resume stays bit-identical
   (with ``train.deterministic=true``, as without graphs).
+- Only the learning rate is fed to the graph: a schedule that changes any other hyperparameter of an
+  optimizer group (betas, momentum, weight decay) after the capture would be ignored by the replayed
+  step, so the first replay after such a change stops training with one line (``GraphedStep``).
+- ``training_step`` runs only at the warm-up and the capture (``WARMUP_STEPS`` + 1 calls a launch),
+  never again: state a task keeps beside the model would stop counting (Python values) or take the
+  warm-up's extra updates and miss every replay's (device tensors, an EMA). A task with state of its
+  own (it overrides ``state_dict``) is refused before anything starts (``check``). docs/gpu.md lists
+  what cannot be detected (a task's own CUDA generator, device state a task keeps without saying).
 - Nothing in the graph may need the host: a ``training_step`` that reads a value (``.item()``, a
   Python ``if`` on a tensor, boolean-mask indexing) cannot be captured; the capture error is turned
   into one line naming the task's line (``GraphError``).
@@ -52,11 +60,18 @@ class GraphError(errors.Error):
     """The step cannot run as a CUDA graph; the message is one line saying what broke and what to do."""
 
 
-def check(cfg: Config, strategy: Any, world_size: int, cuda: bool) -> None:
+def check(cfg: Config, strategy: Any, world_size: int, cuda: bool, task_cls: type | None = None) -> None:
     """Refusals known before anything starts (ConfigError: exit 2, nothing created). ``strategy``: the
-    run's (``strategy.Strategy``), which says whether its step can be captured."""
+    run's (``strategy.Strategy``), which says whether its step can be captured; ``task_cls``: the task's
+    class, refused when it keeps state of its own."""
     if not cfg.train.cuda_graphs:
         return
+    if task_cls is not None and _keeps_state(task_cls):
+        raise ConfigError(
+            f"train.cuda_graphs=true calls {task_cls.__name__}.training_step only to warm up and capture "
+            f"(about {WARMUP_STEPS + 1} times a launch), so state the task keeps (it overrides state_dict) "
+            "would stop counting or count the warm-up, and not resume exactly: set train.cuda_graphs=false"
+        )
     # What the captured step does not do (checked first: these hold on any machine)
     others = {
         f"dist.strategy={strategy.name}": not strategy.captures_graphs,
@@ -81,6 +96,13 @@ def check(cfg: Config, strategy: Any, world_size: int, cuda: bool) -> None:
             f"train.cuda_graphs=true trains one rank (world size 1) in this version, not {world_size}: "
             "set train.cuda_graphs=false for multi-rank runs"
         )
+
+
+def _keeps_state(task_cls: type) -> bool:
+    """Whether the task class overrides ``Task.state_dict`` (state of its own beyond the model)."""
+    from ddp_slurm.train.task import Task
+
+    return getattr(task_cls, "state_dict", Task.state_dict) is not Task.state_dict
 
 
 def make_step(
@@ -117,6 +139,7 @@ class GraphedStep:
         self.inputs: _Inputs | None = None
         self.lrs: list[torch.Tensor] = []
         self.loss: torch.Tensor | None = None
+        self.fixed: list[tuple[int, str, Any]] = []  # (group, key, value) the captured step keeps
 
     def __call__(self, batch: Any) -> torch.Tensor:
         if self.graph is None:
@@ -127,6 +150,15 @@ class GraphedStep:
             lr.fill_(group["lr"])  # the schedule's current rate: a kernel argument, not a copy
         self.graph.replay()
         self.scheduler.step()
+        groups = self.optimizer.param_groups
+        for index, key, value in self.fixed:  # a few host-side comparisons: no device work
+            if not _same(groups[index][key], value):
+                raise GraphError(
+                    f"train.cuda_graphs=true: the schedule changed {key} of parameter group {index} "
+                    f"({value!r} -> {groups[index][key]!r}) after the capture, and the captured optimizer step "
+                    "keeps the value it was captured with (only the learning rate is fed to the graph): "
+                    "schedule only the learning rate, or set train.cuda_graphs=false"
+                )
         return self.loss.clone()  # the graph overwrites its output at the next replay
 
     def _eager(self, batch: Any) -> torch.Tensor:
@@ -181,6 +213,26 @@ class GraphedStep:
                         value.zero_()
         rng.restore(saved_rng)
         self.loss, self.graph = loss.detach(), graph
+        self.fixed = fixed_hyperparameters(optimizer.param_groups)
+
+
+def fixed_hyperparameters(groups: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
+    """``(group index, key, value)`` of every optimizer hyperparameter a captured step keeps as it was
+    captured: all but ``params`` and ``lr`` (fed to the graph before each replay)."""
+    return [
+        (i, key, value) for i, group in enumerate(groups) for key, value in group.items() if key not in ("params", "lr")
+    ]
+
+
+def _same(now: Any, captured: Any) -> bool:
+    """Whether a group's hyperparameter is still the captured one: the same object, or an equal plain
+    value (a tensor is compared by identity only: the graph reads it in place, and comparing values
+    would wait for the device)."""
+    if now is captured:
+        return True
+    if isinstance(now, torch.Tensor) or isinstance(captured, torch.Tensor):
+        return False
+    return bool(now == captured)
 
 
 def _clone(value: Any) -> Any:

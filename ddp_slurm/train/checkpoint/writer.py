@@ -245,7 +245,11 @@ class AsyncCheckpointer:
         None when it was handed to the writer (``wait()`` returns the path once it is durable)."""
         self._settle(int(state["step"]), urgent)
         step = int(state["step"])
-        if not self.enabled or not self._fits(state):
+        gpu = on_gpu(state)
+        fits = self._fits(state, warn=self.enabled) if self.enabled or gpu else True
+        if not self.enabled or not fits:
+            if gpu and fits:  # checkpoint.async=false: torch.save of live CUDA tensors waits once per tensor
+                state = self._on_host(state)
             return self._durable(
                 checkpoint.save(
                     self.run_dir, state, self.keep, self.shared, seen=self._seen, prune=self.prune, parents=self.parents
@@ -253,11 +257,8 @@ class AsyncCheckpointer:
                 time.monotonic(),
             )
         if self.writer == "process":
-            frozen = state
-            if on_gpu(state):  # the child can read host memory only: copy, and wait for the copy
-                frozen, events = self._snap.copy(state)
-                for event in events:
-                    event.synchronize()
+            # the child can read host memory only: copy, and wait for the copy
+            frozen = self._on_host(state) if gpu else state
             target = lambda: checkpoint.save(  # noqa: E731
                 self.run_dir, frozen, self.keep, self.shared, seen=self._seen, prune=self.prune, parents=self.parents
             )
@@ -318,12 +319,23 @@ class AsyncCheckpointer:
         finally:
             self._snap.release()
 
-    def _fits(self, state: dict[str, Any]) -> bool:
+    def _on_host(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with its GPU tensors copied into this writer's reused host buffers (pinned): every
+        copy queued at once, then one wait for the last (they run in order on the one stream they were
+        queued on). ``torch.save`` of the live CUDA state would instead wait for the device once per tensor."""
+        host, events = self._snap.copy(state)
+        if events:
+            events[-1].synchronize()
+        return host
+
+    def _fits(self, state: dict[str, Any], warn: bool = True) -> bool:
+        """Whether a host copy of ``state`` fits the host's available memory (``MAX_SHARE_OF_AVAILABLE``);
+        ``warn``: say once that saving is synchronous because it does not."""
         need = state_bytes(state) - self._snap.held_bytes  # reused buffers are already counted
         avail = available_memory()
         if avail is None or need <= MAX_SHARE_OF_AVAILABLE * avail:
             return True
-        if not self._warned_memory:
+        if warn and not self._warned_memory:
             log.warning(
                 "checkpoint.async: a copy of the state (%.0f MiB) would take more than half the host's "
                 "available memory (%.0f MiB): saving synchronously",

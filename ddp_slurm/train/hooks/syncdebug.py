@@ -7,7 +7,9 @@ switches ``torch.cuda.set_sync_debug_mode`` on from the ``WARMUP_STEPS``-th step
 steps allocate and set up) and off around each boundary, so that ``error`` turns any synchronising
 call inside a steady step into an exception naming it (tests/test_gpu_path.py runs the real loop so).
 The number of steps it watched is logged at the end, so a check can tell that it was on at all.
-Without CUDA, or unset, it does nothing.
+Without CUDA, or unset, it does nothing. A value other than ``warn`` or ``error`` is refused at start-up
+with the config's checks (``mode_from``, called by ``train.entry``: exit 2 before the run directory
+exists), on CPU too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ddp_slurm import errors
 from ddp_slurm.train.hooks.base import Hook, Training
 
 log = logging.getLogger("ddp_slurm")
@@ -28,17 +31,26 @@ MODES = ("warn", "error")
 WARMUP_STEPS = 3  # steps of each launch before the watch starts: first allocations, cuDNN's choices
 
 
+def mode_from(environ: Mapping[str, str]) -> str | None:
+    """The mode ``DDP_SLURM_SYNC_DEBUG`` asks for (None: unset or empty); UsageError in one line naming the
+    value and the accepted ones otherwise. The one check of the variable: start-up calls it before anything
+    is created."""
+    mode = environ.get(ENV) or None
+    if mode is not None and mode not in MODES:
+        raise errors.UsageError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)} (or unset)")
+    return mode
+
+
 class SyncWatch:
     """Switches the sync debug mode on for steady steps and off at boundaries; counts the steps watched."""
 
     def __init__(self, mode: str | None, first_step: int) -> None:
-        if mode is not None and mode not in MODES:
-            raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)} (or unset)")
+        mode = mode_from({ENV: mode} if mode else {})
         self.mode, self.start, self.watched, self.on = mode, first_step + WARMUP_STEPS, 0, False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], device: torch.device, first_step: int) -> SyncWatch:
-        mode = environ.get(ENV) or None
+        mode = mode_from(environ)
         return cls(mode if device.type == "cuda" else None, first_step)
 
     def steady(self, step: int) -> None:
