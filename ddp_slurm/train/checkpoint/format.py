@@ -29,6 +29,7 @@ that passes. Checkpoints written by other users are kept out by ownership and mo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -153,10 +154,7 @@ def save(
             raise gone(run_dir, final) from None
         exc = sinks[0].error if sinks and sinks[0].error is not None else exc
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
-        raise CheckpointError(
-            f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
-            "free space or fix permissions, then launch again to resume"
-        ) from None
+        raise not_written(final, reason) from None
     if prune is not None:
         prune(final)
     else:
@@ -170,6 +168,28 @@ def save(
             seen=seen,
         )
     return final
+
+
+def not_written(final: Path, reason: str) -> CheckpointError:
+    """The one line for a checkpoint that could not be written (``reason``: the OS's, "No space left on device")."""
+    return CheckpointError(
+        f"cannot write checkpoint {final}: {reason}; previous checkpoints are intact, "
+        "free space or fix permissions, then launch again to resume"
+    )
+
+
+def check_room(run_dir: Path, step: int, need: int) -> None:
+    """CheckpointError (``not_written``, "No space left on device") when the file system of ``run_dir`` has
+    less than ``need`` bytes free: a background write would fail there a few steps later, while training
+    ran on; this way the run stops at the save itself. Where the file system does not say, nothing is
+    checked (the write itself still fails cleanly)."""
+    try:
+        fs = os.statvfs(run_dir)
+    except OSError:
+        return
+    free = (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) * fs.f_frsize  # root may use the reserve
+    if free < need:
+        raise not_written(checkpoint_dir(run_dir) / file_name(step), os.strerror(errno.ENOSPC))
 
 
 def gone(run_dir: Path, what: Path) -> CheckpointError:

@@ -256,6 +256,7 @@ class AsyncCheckpointer:
                 ),
                 time.monotonic(),
             )
+        checkpoint.check_room(self.run_dir, step, state_bytes(state))  # fails at this save, not steps later
         if self.writer == "process":
             # the child can read host memory only: copy, and wait for the copy
             frozen = self._on_host(state) if gpu else state
