@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
+from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.tasks.mnist.data import Split
 from ddp_slurm.tasks.mnist.task import MNIST, MNISTConfig
 from ddp_slurm.train import checkpoint, loader, step
+from ddp_slurm.train.checkpoint.state import Position
 from ddp_slurm.train.task import Tensors
 
 # How a survivor says it found a lost rank, after "no heartbeat for N s; ": the stall check saw the rank
@@ -92,3 +96,30 @@ def requeue_calls(calls) -> list[str]:
     """The ``scontrol requeue`` calls a recording stub saw (the allocation check's ``show job`` and
     ``write batch_script`` calls are not requeues)."""
     return [line for line in calls.read_text().splitlines() if line.startswith("requeue")] if calls.exists() else []
+
+
+def run_objects(
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    pos: Position | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    **extra: Any,
+) -> SimpleNamespace:
+    """The run's objects as a checkpoint backend sees them (``backends.Objects``), for the MNIST task on
+    the CPU, with torch's default group for every collective; ``extra``: more members (a scaler)."""
+    return SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        task=TASK,
+        pos=pos or Position(),
+        device=torch.device("cpu"),
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        groups=Groups(),
+        **extra,
+    )

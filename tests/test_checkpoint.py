@@ -14,7 +14,6 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import helpers
@@ -24,7 +23,6 @@ import torch.distributed as dist
 
 from ddp_slurm import config
 from ddp_slurm.bootstrap import DistEnv
-from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.checkpoint import state as state_mod
@@ -156,17 +154,7 @@ def test_saved_model_has_no_ddp_prefix(tmp_path: Path) -> None:
         scheduler = make_scheduler(cfg.train, optimizer, 10)
         ddp(torch.randn(4, 1, 28, 28)).sum().backward()
         optimizer.step()
-        run = SimpleNamespace(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            task=helpers.TASK,
-            pos=state_mod.Position(step=7),
-            device=torch.device("cpu"),
-            rank=env.rank,
-            world_size=env.world_size,
-            groups=Groups(),
-        )
+        run = helpers.run_objects(model, optimizer, scheduler, state_mod.Position(step=7), env.rank, env.world_size)
         snapshot = WholeFile().capture(run, False, 1.0, {"config": cfg.to_dict()})
         checkpoint.save(cfg.run_dir, snapshot, keep=cfg.checkpoint.keep)
     finally:

@@ -4,7 +4,6 @@ part back (single process, real tensors)."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import helpers
 import numpy as np
@@ -22,19 +21,7 @@ CPU = torch.device("cpu")
 WHOLE = WholeFile()
 
 
-def objects(model, optimizer, scheduler, pos=None, rank: int = 0, world_size: int = 1, seed: int = 0):
-    """The run's objects as a checkpoint backend sees them (``backends.Objects``)."""
-    return SimpleNamespace(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        task=helpers.TASK,
-        pos=pos or state.Position(),
-        device=CPU,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-    )
+objects = helpers.run_objects
 
 
 def _objects(seed: int = 0):

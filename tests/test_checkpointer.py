@@ -13,7 +13,6 @@ import signal
 import stat
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import helpers
 import pytest
@@ -21,12 +20,10 @@ import torch
 from conftest import Launcher
 
 from ddp_slurm import config
-from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tasks.mnist import models
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.checkpoint.backends import WholeFile
-from ddp_slurm.train.checkpoint.state import Position
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
 ARGS = [
@@ -98,18 +95,7 @@ def checkpointer(tmp_path: Path, *overrides: str, shared: bool = False) -> check
     cfg = config.load(None, [f"run.output_root={tmp_path}", "run.name=c", "model.name=mlp", *overrides])
     model = models.build("mlp")
     optimizer = make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
-    run = SimpleNamespace(
-        model=model,
-        optimizer=optimizer,
-        scheduler=make_scheduler(cfg.train, optimizer, 100),
-        task=helpers.TASK,
-        pos=Position(),
-        device=torch.device("cpu"),
-        rank=0,
-        world_size=1,
-        seed=0,
-        groups=Groups(),
-    )
+    run = helpers.run_objects(model, optimizer, make_scheduler(cfg.train, optimizer, 100))
     cfg.run_dir.mkdir(parents=True)  # taken by rundir.take before any save, in a real run
     return checkpoint.Checkpointer(cfg.checkpoint, RunPaths(cfg.run_dir, shared), WholeFile(), run, cfg)
 

@@ -18,7 +18,6 @@ from ddp_slurm import config
 from ddp_slurm.config import ConfigError
 from ddp_slurm.train import checkpoint, graphs, strategy
 from ddp_slurm.train.accumulate import NormWindow
-from ddp_slurm.train.checkpoint import state
 from ddp_slurm.train.checkpoint.backends import WholeFile
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 from ddp_slurm.train.precision import check_precision, make_scaler
@@ -112,10 +111,7 @@ def test_the_norm_window_counts_finite_norms_only() -> None:
 
 
 def run_objects(model, optimizer, scheduler, scaler) -> SimpleNamespace:
-    return SimpleNamespace(
-        model=model, optimizer=optimizer, scheduler=scheduler, task=helpers.TASK, pos=state.Position(),
-        device=CPU, rank=0, world_size=1, seed=0, scaler=scaler,
-    )  # fmt: skip
+    return helpers.run_objects(model, optimizer, scheduler, scaler=scaler)
 
 
 def test_the_scale_is_checkpointed_and_a_resumed_run_is_bit_identical(tmp_path: Path) -> None:
