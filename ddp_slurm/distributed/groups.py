@@ -24,11 +24,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ddp_slurm.errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where a group is made: the tools' --help stays light
+    import torch
 
 NCCL_SHAPED = "DDP_SLURM_NCCL_SHAPED"
 

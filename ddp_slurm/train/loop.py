@@ -176,6 +176,9 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
             requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)
     votes.settle()  # the last step's flags, when a signal ended the loop: no collective left in flight
     side.end(t)
+    # The data's worker processes end now: a requeue cancels the Slurm step, whose SIGTERM would kill them
+    # under a rank still waiting for rank 0, and its DataLoader would raise there (exit 1, not 75).
+    run.close()
     stop.stopping = True  # from here on stop signals are absorbed until the process exits (see signals.py)
     if (requeue or terminate) and pos.step < run.total_steps:
         return stop_on_signal(t, ckpt, wants_requeue=requeue and not terminate)

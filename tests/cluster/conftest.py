@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_slurm.distributed.groups import NCCL_SHAPED
 from ddp_slurm.slurmjob.slurm import ENDED_STATES
 
 HERE = Path(__file__).resolve().parent
@@ -211,6 +212,7 @@ def _client_env(slurm_conf: str) -> dict[str, str]:
     # they would leak into sbatch/srun and target the wrong cluster or job.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
     env["SLURM_CONF"] = slurm_conf
+    env[NCCL_SHAPED] = "1"  # the jobs' default groups shaped like NCCL's, as every child of the suite (conftest)
     path = env.get("PATH", "").split(os.pathsep)
     env["PATH"] = os.pathsep.join(path + [p for p in ("/usr/sbin", "/sbin") if p not in path])
     return env

@@ -20,10 +20,11 @@ PY = str(Path(sys.executable).absolute())
 WORKER = """
 import os, socket, torch, torch.distributed as dist
 from ddp_slurm.bootstrap import DistEnv, distributed
+from ddp_slurm.distributed.groups import Groups
 env = DistEnv.from_environ(os.environ)
 with distributed(env, "gloo", timeout_s=60) as (device, backend):
     value = torch.tensor([env.rank + 1.0])
-    dist.all_reduce(value)
+    dist.all_reduce(value, group=Groups.make(device).train)
     # the local addresses of this rank's connections: what gloo really uses (the store's included)
     mine = set()
     for fd in os.listdir("/proc/self/fd"):
