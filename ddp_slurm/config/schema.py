@@ -180,6 +180,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    every_steps: int = checked(0, check=lambda v: v >= 0, expected="an integer >= 0")
+    """Steps between evaluations on the test set, besides the one at the end of each epoch (0: only there).
+    Every test sample is counted once at any world size; a stop signal is honoured at each evaluation batch."""
+    patience: int | None = checked(None, check=lambda v: v is None or v >= 1, expected="null or an integer >= 1")
+    """Early stopping: end the run (exit 0, finished) after this many evaluations in a row that did not
+    improve the task's ``best_metric`` by more than ``eval.min_delta`` (null: never stop early). The count
+    and the best value are part of every checkpoint, so a requeued run stops where one left alone would."""
+    min_delta: float = checked(0.0, check=lambda v: v >= 0, expected="a number >= 0")
+    """How much an evaluation must beat the best value so far by to count as an improvement (early stopping)."""
+
+
+@dataclass
 class DistConfig:
     RESUMABLE: ClassVar[bool] = True  # how a run is saved, placed or logged, not what it computes
 
@@ -251,7 +264,7 @@ class SlurmConfig:
     """Cap on requeues (``SLURM_RESTART_COUNT``); beyond it the job stops with a message instead of looping."""
 
 
-RUNTIME_SECTIONS = ("run", "train", "checkpoint", "dist", "slurm", "log")
+RUNTIME_SECTIONS = ("run", "train", "eval", "checkpoint", "dist", "slurm", "log")
 """Sections every task shares; a task's own sections are the fields of its ``Config`` dataclass."""
 
 
@@ -273,6 +286,7 @@ class LogConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
