@@ -175,9 +175,9 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
     stop.stopping = True  # from here on stop signals are absorbed until the process exits (see signals.py)
     if ended == STOPPED:  # inside an evaluation: the resumed run redoes it
         return stop_on_signal(t, ckpt, wants_requeue=evals.vote.requeue and not evals.vote.terminate)
-    if (requeue or terminate) and pos.step < run.total_steps:
+    if (requeue or terminate) and ended != EARLY and pos.step < run.total_steps:  # an early stop is an end
         return stop_on_signal(t, ckpt, wants_requeue=requeue and not terminate)
-    if requeue or terminate:  # came during the last step's save: the work is done, no requeue
+    if requeue or terminate:  # came during the last save (or with an early stop): the work is done, no requeue
         log.info("stop signal after the last step: the run is finished, its final checkpoint is on disk")
     return _finish(t, ckpt)
 
