@@ -108,3 +108,17 @@ def test_partial_writes_are_cleared_and_never_count(run: Path) -> None:
     assert checkpoint.latest(run)[0].name == "step-30"
     sharded.remove_stale_partials(RunPaths(run))
     assert not partial.exists()
+
+
+def test_pruning_spares_the_best_beside_the_newest(run: Path) -> None:
+    """``checkpoint.keep=1`` with the best older than the newest: both stay, nothing else."""
+    folder, paths = run / "checkpoints", RunPaths(run)
+    steps = sorted(int(p.name.split("-")[1]) for p in folder.iterdir())
+    assert len(steps) >= 2, steps
+    backend = Sharded()
+    judge = gate.Gate(backend, paths, []).judge_summary
+    newest, best = folder / f"step-{steps[-1]}", folder / f"step-{steps[0]}"
+    listing.prune(
+        backend.candidates(paths), 1, newest, summary_of=backend.summary, judge=judge, remove=sharded.remove, spare=best
+    )
+    assert sorted(p.name for p in folder.iterdir()) == sorted({newest.name, best.name})
