@@ -268,7 +268,8 @@ def assert_stopped(launch: Launch) -> dict[str, Any]:
     state = checkpoint.load_latest(launch.run_dir)
     assert state is not None
     assert (state["step"], state["epoch"], state["finished"]) == (stop["step"], stop["epoch"], False)
-    assert (launch.run_dir / "checkpoints" / f"step-{stop['step']}.pt").exists()
+    folder = launch.run_dir / "checkpoints"
+    assert (folder / f"step-{stop['step']}.pt").exists() or (folder / f"step-{stop['step']}").is_dir()
     assert not [p for p in (launch.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     return stop
 
@@ -305,6 +306,7 @@ class References:
                 "mlp-eval-1": (EVAL_MLP, 1),
                 "long-eval-1": (LONG_EVAL, 1),
                 "long-eval-2": (LONG_EVAL, 2),
+                "long-eval-fsdp-2": ([*LONG_EVAL, "dist.strategy=fsdp"], 2),
                 "early-2": (EARLY, 2),
             }[name]
             cwd = self.root / name
@@ -644,18 +646,20 @@ def test_evaluation_every_steps_and_a_mid_epoch_resume_stay_exact(
     assert _evals(first.run_dir, "accuracy", "loss") == _evals(reference_dir, "accuracy", "loss")
 
 
-@pytest.mark.parametrize("world_size, during", [(1, 8), (2, 12)])
+@pytest.mark.parametrize("world_size, during, strategy", [(1, 8, "ddp"), (2, 12, "ddp"), (2, 12, "fsdp")])
 def test_a_stop_inside_a_long_evaluation_abandons_it_and_the_resume_redoes_it(
-    references: References, launches: list[Launch], tmp_path: Path, world_size: int, during: int
+    references: References, launches: list[Launch], tmp_path: Path, world_size: int, during: int, strategy: str
 ) -> None:
     """USR2 while an evaluation runs (each of its batches sleeps 0.3 s): the evaluation is abandoned at the
     next batch on every rank, no ``eval`` line is written for it, the step is checkpointed and every rank
     exits 75. The relaunch evaluates that step first; its evaluation lines and final weights equal the run
-    left alone. With 1 rank the evaluation at an epoch's end (step 8), with 2 ranks one mid-epoch (step 12)."""
-    reference_dir = references.run_dir(f"long-eval-{world_size}")
+    left alone. With 1 rank the evaluation at an epoch's end (step 8), with 2 ranks one mid-epoch (step 12),
+    under ddp and under fsdp (whose ranks run padded batches: every forward is a collective)."""
+    reference_dir = references.run_dir(f"long-eval-{world_size}" if strategy == "ddp" else "long-eval-fsdp-2")
+    overrides = [*LONG_EVAL, f"dist.strategy={strategy}"]
     tasks_helpers.write_slow_line_task(tmp_path)
     per_eval = 10  # batches of 10 over 100 samples, all ranks together
-    first = start(launches, tmp_path, world_size, LONG_EVAL)
+    first = start(launches, tmp_path, world_size, overrides)
     first.wait_until_catching(signal.SIGUSR2)
     before = (during // 4 - 1) * per_eval  # the batches of the evaluations before the one to interrupt
     first.wait_for("the evaluation to be under way", lambda: len(_eval_lines(tmp_path)) >= before + world_size + 1)
@@ -668,7 +672,7 @@ def test_a_stop_inside_a_long_evaluation_abandons_it_and_the_resume_redoes_it(
     assert "evaluation abandoned on a stop signal" in first.log_text()
     assert checkpoint.load_latest(first.run_dir)["evaluated"] < during
 
-    second = run_to_end(launches, tmp_path, world_size, LONG_EVAL)
+    second = run_to_end(launches, tmp_path, world_size, overrides)
     assert_resumed_from(second, during)
     assert second.rows()[1]["kind"] == "eval" and second.rows()[1]["step"] == during, second.rows()[:3]
     assert _evals(first.run_dir, "mse", "test_samples") == _evals(reference_dir, "mse", "test_samples")
@@ -704,6 +708,8 @@ def test_early_stopping_survives_three_interruptions(
         stop = assert_stopped(launch)
         if stops:
             assert_resumed_from(launch, resumed_at)
+        if moment == "eval":
+            assert "evaluation abandoned on a stop signal" in launch.log_text(), launch.log_text()[-3000:]
         stops.append(stop["step"])
         resumed_at = stop["step"]
     assert stops == sorted(stops) and stops[-1] < ref_stop[0]["step"], (stops, ref_stop)
