@@ -171,7 +171,7 @@ class CheckpointConfig:
     every_steps: int = checked(100, check=lambda v: v >= 0, expected="an integer >= 0")
     """Steps between checkpoints (0: only at epoch ends, the end of training and on a stop signal)."""
     keep: int = checked(3, check=lambda v: v >= 1, expected="an integer >= 1")
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest checkpoints to keep; the best (the task's ``best_metric``) is kept beside them."""
     async_save: bool = checked(True, key="async")
     """``checkpoint.async`` (YAML key ``async``; ``async_save`` only in Python, where ``async`` is a
     keyword): rank 0 copies the state to host memory and a background thread writes it, so training
@@ -183,7 +183,9 @@ class CheckpointConfig:
 class EvalConfig:
     every_steps: int = checked(0, check=lambda v: v >= 0, expected="an integer >= 0")
     """Steps between evaluations on the test set, besides the one at the end of each epoch (0: only there).
-    Every test sample is counted once at any world size; a stop signal is honoured at each evaluation batch."""
+    Every test sample is counted once at any world size; a stop signal is honoured at each evaluation batch.
+    An evaluation that improves the task's ``best_metric`` is followed by a checkpoint, kept beside the
+    ``checkpoint.keep`` newest and named in ``<run dir>/best``."""
     patience: int | None = checked(None, check=lambda v: v is None or v >= 1, expected="null or an integer >= 1")
     """Early stopping: end the run (exit 0, finished) after this many evaluations in a row that did not
     improve the task's ``best_metric`` by more than ``eval.min_delta`` (null: never stop early). The count
