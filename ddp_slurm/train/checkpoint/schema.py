@@ -4,8 +4,8 @@ A checkpoint can pass its seal and still hold garbage: written by another progra
 forged and re-sealed with this program's own functions (the seal is a checksum anyone can recompute).
 Every value a resume reads is checked here first, with one rule for the whole file and the folder of
 shards alike: counts are non-negative integers (not booleans), the step in the epoch is not beyond
-the step, the time is finite, the best metric a number or null (its step, and the step last evaluated, not
-beyond the step; early stopping's count a count), the flags booleans, the RNG streams
+the step, the time is finite, the best metric a number or null (its step, and the step last
+evaluated, not beyond the step; early stopping's count a count), the flags booleans, the RNG streams
 one per rank and each a stream, the schedule, task state and config mappings. A record that fails is
 skipped like a corrupt file (``ValueError`` naming the key), so a resume falls back to the checkpoint
 before it instead of resuming somewhere else or crashing on every requeue.

@@ -3,9 +3,10 @@
 A checkpoint holds everything a task needs to continue bit-identically: the model and the optimizer
 (the backend's part: rank 0's whole state dicts in a file, or every rank's shards), and ``record``:
 the schedule, the task's own ``state_dict``, the position (step, epoch, step in epoch), every rank's
-RNG streams (``rng.py``), the best metric (its value and step, and early stopping's count of evaluations
-without improvement), the step of the last evaluation completed, the world size, and the run's config. The data position is
-(epoch, step in epoch), see ``loader``. ``resume`` puts a record back on every rank.
+RNG streams (``rng.py``), the best metric (its value and step, and early stopping's count of
+evaluations without improvement), the step of the last evaluation completed, the world size, and the
+run's config. The data position is (epoch, step in epoch), see ``loader``. ``resume`` puts a record
+back on every rank.
 
 Resuming at another world size: the model, optimizer, schedule, position and task state carry over
 unchanged and the data continues with the same global batches (see ``loader``); RNG streams belong to
