@@ -64,6 +64,12 @@ class RunPaths:
         return self.checkpoints / f".step-{step}.partial"
 
     @property
+    def best(self) -> Path:
+        """``best``: the name of the checkpoint at the best value of the task's metric (kept outside
+        ``checkpoint.keep``); ``run.init_from=<run dir>/best`` starts from it."""
+        return self.root / "best"
+
+    @property
     def lock(self) -> Path:
         return self.root / ".lock"
 

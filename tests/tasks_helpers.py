@@ -78,3 +78,51 @@ def addition_tiny(
         "checkpoint.every_steps=10",
         "checkpoint.keep=100",
     ]
+
+
+# The Line task made slow on purpose, for the evaluation tests (tests/test_resume.py): each training step
+# and each evaluation batch sleeps, and each evaluation batch appends "<time> <rank> <samples>" to a file,
+# so that a test can send a signal while an evaluation is under way and see how soon it was abandoned.
+SLOW_LINE_TASK = (
+    LINE_TASK
+    + '''
+
+import os
+import time
+
+
+@dataclass
+class SlowSection:
+    train_sleep_s: float = 0.0
+    eval_sleep_s: float = 0.0
+    eval_log: str | None = None
+
+
+@dataclass
+class SlowLineConfig(LineConfig):
+    slow: SlowSection = field(default_factory=SlowSection)
+
+
+class SlowLine(Line):
+    """Line, with a sleep in each training step and each evaluation batch."""
+
+    Config = SlowLineConfig
+
+    def training_step(self, model, batch):
+        time.sleep(self.config.slow.train_sleep_s)
+        return super().training_step(model, batch)
+
+    def eval_step(self, model, batch):
+        if self.config.slow.eval_log:
+            with open(self.config.slow.eval_log, "a") as f:
+                f.write(f"{time.time()} {os.environ.get('RANK', '0')} {len(batch[0])}\\n")
+        time.sleep(self.config.slow.eval_sleep_s)
+        return super().eval_step(model, batch)
+'''
+)
+
+
+def write_slow_line_task(folder: Path) -> Path:
+    path = folder / "slow_line_task.py"
+    path.write_text(SLOW_LINE_TASK)
+    return path
