@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,22 @@ def test_ctrl_c_to_the_launcher_exits_75_and_the_run_resumes_with_its_own_config
     assert res.returncode == 0, res.stdout + res.stderr
     start = [r for r in rows(run_dir) if r["kind"] == "start"][-1]
     assert start["resumed"] and start["step"] == stop["step"] and rows(run_dir)[-1]["kind"] == "end"
+
+
+def test_a_worker_failure_ends_in_one_line_with_the_worker_s_exit_code(launcher):
+    """A worker that fails (here a config error, exit 2): its own line, then one line from the launcher
+    naming the rank and the file with torchrun's full report, no traceback; the exit status is the worker's."""
+    proc = torchrun(launcher, "ddp_slurm.launch", "model.name=mlp", "train.epochz=3")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out and "ChildFailedError" not in out, out
+    last = out.splitlines()[-1]
+    assert re.search(r"launch \[.*\]: worker rank \d \(local rank \d, pid \d+\) exited 2: .*; exit 2", last), last
+    report = Path(re.search(r"full report: (\S+)\)$", last).group(1))
+    try:
+        assert "ChildFailedError" in report.read_text() and oct(report.stat().st_mode & 0o777) == "0o600"
+    finally:
+        report.unlink()
 
 
 def test_plain_torchrun_agent_dies_of_usr2(launcher, tmp_path):
