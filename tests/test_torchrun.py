@@ -65,8 +65,9 @@ def test_usr2_to_the_agent_alone_reaches_the_workers(launcher, tmp_path):
 
 def test_ctrl_c_to_the_launcher_exits_75_and_the_run_resumes_with_its_own_config(launcher, tmp_path):
     """SIGINT (Ctrl-C) to the launcher: torchrun passes it on, the workers checkpoint and exit 75, and so
-    does the launcher, in one line instead of torchrun's ChildFailedError traceback. ``ddp_slurm.resume``
-    under the same launcher then finishes the run with the overrides it was started with."""
+    does the launcher, in one line instead of torchrun's ChildFailedError traceback. Rank 0's stop line names
+    the command that resumes; that command, typed as shown (no launcher), finishes the run with the overrides
+    it was started with and at the world size it had (2 ranks, not 1 with a warning)."""
     run_dir = tmp_path / "runs" / "int"
     overrides = ["model.name=mlp", "train.epochs=2", "train.lr=2e-3", "checkpoint.every_steps=20", "run.name=int"]
     proc = torchrun(launcher, "ddp_slurm.launch", *overrides)
@@ -76,12 +77,14 @@ def test_ctrl_c_to_the_launcher_exits_75_and_the_run_resumes_with_its_own_config
     assert proc.returncode == train.EXIT_STOPPED, out
     assert "interrupted: every worker stopped after a checkpoint; exit 75" in out
     assert "Traceback" not in out and "ChildFailedError" not in out
+    assert re.search(r"stopped on signal at step \d+ with a checkpoint; resume with: ddp-slurm resume runs/int", out)
     [stop] = [r for r in rows(run_dir) if r["kind"] == "stop"]
-    cmd = [sys.executable, "-m", "ddp_slurm.launch", "--standalone", "--nproc_per_node", "2"]
-    res = launcher.run([*cmd, "-m", "ddp_slurm.resume", "runs/int"])
+    res = launcher.run([sys.executable, "-m", "ddp_slurm", "resume", "runs/int"])
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "runs/int resumes with 2 local ranks" in res.stderr and "resuming at world size" not in res.stderr
     start = [r for r in rows(run_dir) if r["kind"] == "start"][-1]
-    assert start["resumed"] and start["step"] == stop["step"] and rows(run_dir)[-1]["kind"] == "end"
+    assert start["resumed"] and start["step"] == stop["step"] and start["world_size"] == 2
+    assert rows(run_dir)[-1]["kind"] == "end"
 
 
 def test_a_worker_failure_ends_in_one_line_with_the_worker_s_exit_code(launcher):

@@ -11,6 +11,7 @@ imported already, and only when both name the same task; another task is one dif
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,14 @@ def _flat(cfg: Config) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, body in cfg.to_dict().items() if s != "task" for k, v in body.items()}
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run in ``run_dir`` with its own config and world size (resume.py)."""
+    return f"ddp-slurm resume {shlex.quote(str(run_dir))}"
+
+
 def hint(run_dir: Path) -> str:
     """The two ways to relaunch with a run's own settings, for messages that refuse another config."""
-    return f"`ddp-slurm resume {run_dir}` or `--config {RunPaths(run_dir).config}` reuse them"
+    return f"`{resume_command(run_dir)}` or `--config {RunPaths(run_dir).config}` reuse them"
 
 
 def changed_config(run_dir: Path, diffs: list[str]) -> str:

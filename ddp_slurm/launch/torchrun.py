@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
         except ChildFailedError as exc:
             if _stopped(exc):
                 log.info(
-                    "all workers stopped on a signal after a checkpoint: exit %d (launch again to resume)", EXIT_STOPPED
+                    "all workers stopped on a signal after a checkpoint: exit %d (rank 0's line above names the command "
+                    "that resumes)",
+                    EXIT_STOPPED,
                 )
                 return EXIT_STOPPED
             return _failed(exc)
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
             sig = signal.Signals(exc.sigval)
             if sig == signal.SIGINT and exitcodes.all_stopped(exit_dir, _local_workers(args), EXIT_STOPPED):
                 log.info(
-                    "interrupted: every worker stopped after a checkpoint; exit %d (launch again to resume)",
+                    "interrupted: every worker stopped after a checkpoint; exit %d (rank 0's line above names the "
+                    "command that resumes)",
                     EXIT_STOPPED,
                 )
                 return EXIT_STOPPED

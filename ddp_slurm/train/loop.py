@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ddp_slurm import errors
-from ddp_slurm.config import Config
+from ddp_slurm.config import Config, relaunch
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.distributed.groups import Groups
@@ -265,7 +265,10 @@ def stop_on_signal(t: Training, ckpt: Checkpointer, wants_requeue: bool) -> int:
     on_rank0(
         env,
         lambda: log.info(
-            "stopped on signal at step %d with a checkpoint; launch again to resume (exit %d)", pos.step, EXIT_STOPPED
+            "stopped on signal at step %d with a checkpoint; resume with: %s (exit %d)",
+            pos.step,
+            relaunch.resume_command(cfg.run_dir),
+            EXIT_STOPPED,
         ),
         host,
     )
