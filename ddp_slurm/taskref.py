@@ -1,7 +1,8 @@
 """``task=...``: from an import path to a Task class, checked before anything starts (the config layer).
 
 ``package.module:Name`` is imported like any module (the working directory and PYTHONPATH are searched);
-``path/to/file.py:Name`` imports that file, the way a user's script is run. Every failure is a one-line
+``path/to/file.py:Name`` imports that file, the way a user's script is run; a relative one is recorded
+absolute (``absolute``), so that a run directory's config.yaml names its task wherever it is read from. Every failure is a one-line
 ``TaskError`` (a ``ConfigError``: exit 2, nothing created). Torch-free; the Task base class lives in
 ``ddp_slurm.train.task`` and is recognised here by name, so that this layer never imports the runtime.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,17 @@ def _spec_origin(module_name: str) -> str | None:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or "(no message)"
+
+
+def absolute(spec: str) -> str:
+    """``spec`` with a relative task file made absolute from the working directory (``line.py:Line`` ->
+    ``/home/me/proj/line.py:Line``); an import path, or a file given absolute, unchanged. What a run records:
+    resuming it then imports the same file from any directory. No import, no file read (the path is not
+    resolved through links either: it names the file the user named)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name.endswith(".py") or os.path.isabs(module_name):
+        return spec
+    return f"{os.path.abspath(module_name)}:{attr}"
 
 
 def task_path(cls: type) -> str:

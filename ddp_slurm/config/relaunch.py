@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm import taskref
 from ddp_slurm.config import loading
 from ddp_slurm.config.files import _show
 from ddp_slurm.config.schema import RUNTIME_SECTIONS, Config, ConfigError, _fields, _keys
@@ -48,7 +49,7 @@ def incompatible_changes(old: Config, new: Config) -> list[str]:
     """Keys whose values differ in a way that would make a resumed run compute something else. ``old`` may be
     unresolved (read from a run): its task sections are then checked with ``new``'s task class (ConfigError
     when they do not fit it). Where ``new`` is unresolved too (a dry run), only the runtime's keys compare."""
-    if old.task != new.task:
+    if taskref.absolute(old.task) != taskref.absolute(new.task):  # a run made before files were recorded absolute
         return [f"task: {old.task!r} -> {new.task!r}"]
     if new.resolved:
         old = loading.checked_with(old, type(new.task_config))
