@@ -11,6 +11,11 @@ _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``: a count and its noun, singular for one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def plain(doc: str | None) -> str:
     """A docstring as a terminal shows it in ``--help``: reST literals and roles unwrapped
     (``python -m x`` -> python -m x, :mod:`ddp_slurm.bench.tta` -> ddp_slurm.bench.tta)."""

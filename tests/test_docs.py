@@ -373,3 +373,13 @@ def test_every_path_a_page_names_exists() -> None:
         if not (REPO / path).exists()
     ]
     assert not missing, f"pages name paths that do not exist (moved or renamed?): {missing}"
+
+
+def test_tasks_page_lists_every_reserved_section_name() -> None:
+    """docs/tasks.md names the sections a task's Config may not reuse: all of them (`log` was missing)."""
+    from ddp_slurm.config.schema import RUNTIME_SECTIONS
+
+    text = " ".join((REPO / "docs" / "tasks.md").read_text().split())
+    listed = re.search(r"validated exactly like the runtime's \(([^)]*)\)", text)
+    assert listed, "docs/tasks.md no longer says which section names are the runtime's"
+    assert set(re.findall(r"`(\w+)`", listed.group(1))) == {*RUNTIME_SECTIONS, "task"}

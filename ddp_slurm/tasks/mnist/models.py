@@ -9,7 +9,7 @@ MODELS = ("mlp", "cnn")
 
 
 class MLP(nn.Sequential):
-    """784-100-10 with ReLU: the seed documents' model."""
+    """784-100-10 with ReLU: the classic MNIST baseline."""
 
     def __init__(self) -> None:
         super().__init__(nn.Flatten(), nn.Linear(784, 100), nn.ReLU(), nn.Linear(100, 10))
