@@ -139,6 +139,11 @@ def validate_class(obj: Any, spec: str) -> type:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise TaskError(f"task={spec!r}: section {f.name!r} of {obj.__name__}.Config needs a default")
     base = next(c for c in obj.__mro__ if c.__name__ == "Task" and c.__module__ == "ddp_slurm.train.task")
+    percent = obj.percent_metrics
+    if percent is not None and not (isinstance(percent, tuple) and all(isinstance(p, str) for p in percent)):
+        raise TaskError(
+            f"task={spec!r}: {obj.__name__}.percent_metrics must be a tuple of metric names (or None), got {percent!r}"
+        )
     for name in ("build_model", "train_data", "training_step"):
         if getattr(obj, name) is getattr(base, name):
             raise TaskError(f"task={spec!r}: {obj.__name__} does not define {name}()")

@@ -243,3 +243,12 @@ def test_one_rank_on_one_host_is_said_in_the_singular(caplog) -> None:
         window.log_placement(env, None)
     assert f"ranks by host (1 rank, 1 host): {socket.gethostname()}: 0" in caplog.text, caplog.text
     assert [text.counted(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
+
+
+def test_a_metric_is_shown_as_a_percentage_only_when_it_is_a_fraction() -> None:
+    """The default: names containing ``accuracy`` are fractions (x100, %); a task declaring
+    ``percent_metrics`` decides (a task returning percentages declares ``()`` and saw ``9750.00%`` before)."""
+    assert logs.metric("accuracy", 0.975) == "accuracy 97.50%"
+    assert logs.metric("mse", 0.0123) == "mse 0.0123"
+    assert logs.metric("accuracy", 97.5, ()) == "accuracy 97.5"
+    assert logs.metric("top5", 0.5, ("top5",)) == "top5 50.00%"

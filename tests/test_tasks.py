@@ -335,3 +335,20 @@ def test_example_data_is_generated_once_deterministic_and_atomic(tmp_path: Path)
     pairs = {tuple(r) for r in rows[:, :6].tolist()}
     assert len(pairs) == 550  # distinct pairs: the held-out ones are never trained on
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.u8", "b.u8"]
+
+
+def test_percent_metrics_must_be_a_tuple_of_names() -> None:
+    """A task's ``percent_metrics`` is checked when the task is chosen (exit 2, one line), not at the first log."""
+    from ddp_slurm import taskref
+    from ddp_slurm.tasks.mnist import MNIST
+
+    class Wrong(MNIST):
+        percent_metrics = "accuracy"  # a string, not a tuple: every letter would be a name
+
+    with pytest.raises(taskref.TaskError, match=r"Wrong.percent_metrics must be a tuple of metric names"):
+        taskref.validate_class(Wrong, "x.py:Wrong")
+
+    class Declared(MNIST):
+        percent_metrics = ()
+
+    assert taskref.validate_class(Declared, "x.py:Declared") is Declared

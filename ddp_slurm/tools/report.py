@@ -47,14 +47,14 @@ def summary(run: RunHistory) -> str:
     if best is not None and name:
         final = next(r for r in reversed(run.evals) if name in r)
         lines.append(
-            f"test {name}: final {tracked.show(name, final[name])} (step {final['step']}), "
-            f"best {tracked.show(name, best[name])} (step {best['step']}; {run.metric.direction})"
+            f"test {name}: final {tracked.show(name, final[name], run.metric.percent)} (step {final['step']}), "
+            f"best {tracked.show(name, best[name], run.metric.percent)} (step {best['step']}; {run.metric.direction})"
         )
     elif name:
         lines.append(f"test {name}: no evaluation yet")
     others = [n for n in eval_metrics(run) if n != name]
     if others and run.evals:
-        shown = ", ".join(f"{n} {tracked.show(n, run.evals[-1].get(n))}" for n in others)
+        shown = ", ".join(f"{n} {tracked.show(n, run.evals[-1].get(n), run.metric.percent)}" for n in others)
         lines.append(f"final test {shown} (step {run.evals[-1]['step']})")
     launches = len(run.starts)
     requeues = max((r.get("restart_count", 0) for r in run.starts), default=0)

@@ -26,6 +26,6 @@ def evaluate(t: Training) -> None:
         )
         pos.improve(values.get(run.task.best_metric) if run.task.best_metric else None, run.task.higher_is_better)
         t.metrics.write("eval", pos.step, pos.epoch, t.elapsed(), test_samples=samples, **values)
-        shown = ", ".join(logs.metric(k, v) for k, v in values.items())
+        shown = ", ".join(logs.metric(k, v, run.task.percent_metrics) for k, v in values.items())
         summary += f", test {shown} ({samples} samples)"
     log.info("%s, %s samples/s", summary, f"{t.rate:,.0f}" if t.rate else "n/a")

@@ -100,7 +100,7 @@ def train(
         path, summary, cfg.run.init_from = on_rank0(env, take, host)
         if summary is not None and summary[1]:  # a finished run launched again
             name, best = task.best_metric, summary[2]
-            shown = f" (best test {logs.metric(name, best)})" if name and best is not None else ""
+            shown = f" (best test {logs.metric(name, best, task.percent_metrics)})" if name and best is not None else ""
             log.info("run %s already finished at step %d%s; nothing to do", cfg.run_dir, summary[0], shown)
             return EXIT_OK
         if env.in_slurm_job and env.restart_count > cfg.slurm.max_requeues:
@@ -209,6 +209,7 @@ def _start(t: Training, backend: str, resumed: bool, warm: dict[str, Any]) -> No
         **warm,
         best_metric=run.task.best_metric,
         higher_is_better=run.task.higher_is_better,
+        percent_metrics=None if run.task.percent_metrics is None else list(run.task.percent_metrics),
         launch=t.metrics.launch,
         steps_per_epoch=run.steps_per_epoch,
     )
@@ -231,7 +232,11 @@ def _finish(t: Training, ckpt: Checkpointer) -> int:
     ckpt.wait()  # the final checkpoint is durable before the run says it ended
     t.metrics.write("end", pos.step, pos.epoch, t.elapsed(), **({f"best_{name}": pos.best} if name else {}))
     t.metrics.close()
-    best = f", best test {logs.metric(name, pos.best)}" if name and pos.best is not None else ""
+    best = (
+        f", best test {logs.metric(name, pos.best, t.run.task.percent_metrics)}"
+        if name and pos.best is not None
+        else ""
+    )
     log.info("finished: %d steps%s, %.1f s; run directory %s", pos.step, best, t.elapsed(), run.cfg.run_dir)
     return EXIT_OK
 
