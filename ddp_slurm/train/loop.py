@@ -155,6 +155,7 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
         requeue, terminate, bad = votes.exchange(loss, pos.step, wait=saving)
         if votes.failed:  # rank 0's background write failed (disk full, read-only): its one line, every rank
             ckpt.wait()
+        ckpt.poll()  # a background write now durable says so here, before this step's progress line
         if bad:
             raise NonFiniteLoss(
                 f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
