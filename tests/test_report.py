@@ -162,3 +162,17 @@ def test_report_shows_metrics_as_the_task_declared_them(tmp_path: Path) -> None:
     rows[1]["accuracy"] = 0.975
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert "final 97.50% " in report.summary(history.read_history(run_dir))
+
+
+def test_report_of_a_stopped_run_names_the_command_that_resumes_it(tmp_path: Path) -> None:
+    from ddp_slurm.tools import history, report
+
+    run_dir = tmp_path / "stopped"
+    run_dir.mkdir()
+    rows = [
+        {"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0, "world_size": 2},
+        {"kind": "stop", "step": 40, "epoch": 0, "time_s": 3.0, "requeue": True},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report.summary(history.read_history(run_dir))
+    assert f"stopped on a signal at step 40 (resume: ddp-slurm resume {run_dir})" in text, text

@@ -22,6 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ddp_slurm.config import relaunch
 from ddp_slurm.errors import UsageError
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
@@ -38,7 +39,7 @@ def summary(run: RunHistory) -> str:
     if run.ended:
         status = f"finished at step {last['step']}"
     elif last.get("kind") == "stop":
-        status = f"stopped on a signal at step {last['step']} (launch again to resume)"
+        status = f"stopped on a signal at step {last['step']} (resume: {relaunch.resume_command(run.run_dir)})"
     else:
         status = f"running or interrupted, last line at step {last['step']}"
     world = next((r.get("world_size") for r in reversed(run.starts + run.train) if r.get("world_size")), None)
