@@ -203,3 +203,32 @@ def test_script_outside_slurm_says_to_use_sbatch(script, tmp_path):
         ["bash", str(script)], cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 2 and "submit it with `sbatch" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_runs_a_task_with_its_own_defaults_as_docs_tasks_says(script, tmp_path):
+    """docs/tasks.md and the scripts agree on which config a job reads: ``--config FILE``; else, with
+    ``task=...`` among the arguments, the task's own defaults (no YAML of its own needed); else jobs/mnist.yaml.
+    (srun here is a stand-in that prints what it would start.)"""
+    page = " ".join((REPO / "docs" / "tasks.md").read_text().split())
+    assert "else `task=...` among the arguments, that task's own defaults (no YAML needed" in page
+    assert "give your task its own YAML file" not in page
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")  # the torchrun script's head node
+    (bin_dir / "scontrol").chmod(0o755)
+    env = base_env(SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="node1")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env["DDP_SLURM_PYTHON"] = sys.executable
+
+    def started(*args: str) -> str:
+        res = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+        [line] = [x for x in res.stdout.splitlines() if x.startswith("srun ")]
+        return line
+
+    assert "--config" not in started("task=my_project.tasks:Digits", "train.epochs=5")
+    assert f"--config {REPO / 'jobs' / 'mnist.yaml'}" in started()
+    assert "--config mine.yaml" in started("--config", "mine.yaml", "train.epochs=5")
