@@ -150,7 +150,15 @@ def main(argv: list[str] | None = None, stop=None) -> int:
     run_dir = Path(args.run_dir)
     try:
         forwarded = train_argv(run_dir, args.overrides)
-        ranks = 1 if one_rank_of_a_launch(os.environ) else world_size(run_dir, args.nproc_per_node)
+        if one_rank_of_a_launch(os.environ):
+            if args.nproc_per_node is not None:
+                raise ValueError(
+                    "--nproc-per-node: this process is already one rank of a launch (torchrun, srun, the local "
+                    "launcher), which decides the ranks; drop the flag, or give it to a plain `ddp-slurm resume`"
+                )
+            ranks = 1
+        else:
+            ranks = world_size(run_dir, args.nproc_per_node)
     except (ValueError, history.ReportError) as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_USAGE

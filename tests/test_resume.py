@@ -602,3 +602,16 @@ def test_resume_under_a_launcher_is_one_rank_and_never_relaunches() -> None:
 def test_resume_s_rank_count_flag_is_checked_in_one_line(launcher) -> None:
     res = launcher.run([sys.executable, "-m", "ddp_slurm.resume", "--nproc-per-node", "0", "runs/x"])
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "from 1 to 1024, got '0'" in res.stderr, res.stderr
+    launcher.run(launcher.cmd_train("model.name=mlp", "train.max_steps=1", "run.name=one"), check=True)
+    env = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="localhost")
+    env["MASTER_PORT"] = "29500"
+    ranked = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.resume", "--nproc-per-node", "2", "runs/one"],
+        cwd=launcher.cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ranked.returncode == 2 and ranked.stderr.count("\n") == 1, ranked.stderr
+    assert "already one rank of a launch" in ranked.stderr  # never silently ignored
