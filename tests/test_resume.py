@@ -15,6 +15,7 @@ Windows are hit without hooks in the product:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -755,3 +756,64 @@ def test_the_best_checkpoint_survives_keep_1(
     )
     start_row = next(r for r in metrics.read(tmp_path / "runs" / "warm" / "metrics.jsonl") if r["kind"] == "start")
     assert start_row["init_step"] == best_step, start_row
+
+
+def _started(run_dir: Path, *starts: dict[str, Any]) -> Path:
+    run_dir.mkdir(parents=True)
+    lines = [{"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0, "job_id": None, **s} for s in starts]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
+    return run_dir
+
+
+def test_resume_keeps_the_world_size_of_the_run_s_last_launch_unless_told(tmp_path: Path) -> None:
+    """``ddp-slurm resume`` as a plain process: the last launch's world size, not 1 (a 2-rank run brought back at
+    1 rank loses bit-identity); ``--nproc-per-node`` chooses; a run of a Slurm job or a forged size is one line."""
+    from ddp_slurm import resume
+
+    two = _started(tmp_path / "two", {"world_size": 1}, {"world_size": 2, "step": 40})
+    assert resume.world_size(two, None) == 2 and resume.world_size(two, 1) == 1
+    assert resume.launcher_argv(two, 2, ["log.csv=true"])[2:] == [
+        "ddp_slurm.launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ddp_slurm.resume",
+        str(two),
+        "log.csv=true",
+    ]
+    assert resume.world_size(tmp_path / "never", None) == 1  # no metrics: nothing trained yet
+    slurm = _started(tmp_path / "slurm", {"world_size": 16, "job_id": "123"})
+    with pytest.raises(ValueError, match=r"world size 16 in a Slurm job: resubmit it .* --nproc-per-node N"):
+        resume.world_size(slurm, None)
+    assert resume.world_size(slurm, 4) == 4
+    forged = _started(tmp_path / "forged", {"world_size": 10**6})
+    with pytest.raises(ValueError, match="says world size 1000000; pass --nproc-per-node N"):
+        resume.world_size(forged, None)
+
+
+def test_resume_under_a_launcher_is_one_rank_and_never_relaunches() -> None:
+    from ddp_slurm import resume
+
+    assert not resume.one_rank_of_a_launch({})
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    torchrun |= {"MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+    assert resume.one_rank_of_a_launch(torchrun)
+
+
+def test_resume_s_rank_count_flag_is_checked_in_one_line(launcher) -> None:
+    res = launcher.run([sys.executable, "-m", "ddp_slurm.resume", "--nproc-per-node", "0", "runs/x"])
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "from 1 to 1024, got '0'" in res.stderr, res.stderr
+    launcher.run(launcher.cmd_train("model.name=mlp", "train.max_steps=1", "run.name=one"), check=True)
+    env = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="localhost")
+    env["MASTER_PORT"] = "29500"
+    ranked = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.resume", "--nproc-per-node", "2", "runs/one"],
+        cwd=launcher.cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ranked.returncode == 2 and ranked.stderr.count("\n") == 1, ranked.stderr
+    assert "already one rank of a launch" in ranked.stderr  # never silently ignored

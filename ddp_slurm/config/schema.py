@@ -312,6 +312,11 @@ class Config:
     def __post_init__(self) -> None:
         if self.task_config is None:  # asked for by the caller, in Python: the task's defaults need the task
             self.task_config = task_class(self.task).Config()
+        if not isinstance(self.task_config, Unchecked):
+            # A task file by its absolute path from here on (imported, above, as typed: messages show it so):
+            # the run directory's config.yaml then names it for a resume from anywhere. A config read back
+            # (Unchecked) keeps what it says; relaunch compares both sides made absolute.
+            self.task = taskref.absolute(self.task)
 
     @property
     def resolved(self) -> bool:

@@ -146,7 +146,7 @@ def _layout(runs: list[RunHistory]) -> tuple[Any, dict[str, Any], list[str]]:
             ax.sharex(panels["loss"])
         if key.startswith("metric:"):
             name = key.partition(":")[2]
-            ax.set(title=f"test {name}", ylabel=tracked.axis_label(name))
+            ax.set(title=f"test {name}", ylabel=tracked.axis_label(name, runs[0].metric.percent))
     return fig, panels, metrics
 
 
@@ -174,7 +174,7 @@ def build_run(run: RunHistory, title: str) -> Any:
         rows = [r for r in run.evals if tracked.is_number(r.get(name))]
         panels[f"metric:{name}"].plot(
             [run.samples(r["step"]) for r in rows],
-            [tracked.scale(name, r[name]) for r in rows],
+            [tracked.scale(name, r[name], run.metric.percent) for r in rows],
             "o-",
             color=f"C{2 + i}",
             label=f"test {name}",
@@ -246,7 +246,7 @@ def build_overlay(runs: list[RunHistory], names: list[str], title: str) -> Any:
             rows = [r for r in run.evals if tracked.is_number(r.get(metric))]
             panels[f"metric:{metric}"].plot(
                 [x(run, r["step"]) for r in rows],
-                [tracked.scale(metric, r[metric]) for r in rows],
+                [tracked.scale(metric, r[metric], run.metric.percent) for r in rows],
                 "o-",
                 color=color,
                 label=name,

@@ -98,7 +98,7 @@ class Evaluations:
             metric = values.get(run.task.best_metric) if run.task.best_metric else None
             improved = pos.improve(metric, run.task.higher_is_better, self.section.min_delta)
             t.metrics.write("eval", pos.step, pos.epoch, t.elapsed(), test_samples=samples, **values)
-            shown = ", ".join(logs.metric(k, v) for k, v in values.items())
+            shown = ", ".join(logs.metric(k, v, run.task.percent_metrics) for k, v in values.items())
             summary += f", test {shown} ({samples} samples)"
         else:
             pos.evaluated = pos.step
@@ -133,5 +133,9 @@ class Evaluations:
             "early_stop", pos.step, pos.epoch, t.elapsed(), reason=why, best=pos.best, best_step=pos.best_step
         )
         log.info(
-            "early stop at step %d: %s; best %s at step %s", pos.step, why, logs.metric(name, pos.best), pos.best_step
+            "early stop at step %d: %s; best %s at step %s",
+            pos.step,
+            why,
+            logs.metric(name, pos.best, t.run.task.percent_metrics),
+            pos.best_step,
         )

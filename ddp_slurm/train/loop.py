@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ddp_slurm import errors
-from ddp_slurm.config import Config
+from ddp_slurm.config import Config, relaunch
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.distributed.groups import Groups
@@ -101,7 +101,7 @@ def train(
         path, summary, cfg.run.init_from = on_rank0(env, take, host)
         if summary is not None and summary[1]:  # a finished run launched again
             name, best = task.best_metric, summary[2]
-            shown = f" (best test {logs.metric(name, best)})" if name and best is not None else ""
+            shown = f" (best test {logs.metric(name, best, task.percent_metrics)})" if name and best is not None else ""
             log.info("run %s already finished at step %d%s; nothing to do", cfg.run_dir, summary[0], shown)
             return EXIT_OK
         if env.in_slurm_job and env.restart_count > cfg.slurm.max_requeues:
@@ -161,6 +161,7 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
         requeue, terminate, bad = votes.exchange(loss, pos.step, wait=waiting)
         if votes.failed:  # rank 0's background write failed (disk full, read-only): its one line, every rank
             ckpt.wait()
+        ckpt.poll()  # a background write now durable says so here, before this step's progress line
         if bad:
             raise NonFiniteLoss(
                 f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
@@ -237,6 +238,7 @@ def _start(t: Training, backend: str, resumed: bool, warm: dict[str, Any]) -> No
         **warm,
         best_metric=run.task.best_metric,
         higher_is_better=run.task.higher_is_better,
+        percent_metrics=None if run.task.percent_metrics is None else list(run.task.percent_metrics),
         launch=t.metrics.launch,
         steps_per_epoch=run.steps_per_epoch,
     )
@@ -259,7 +261,11 @@ def _finish(t: Training, ckpt: Checkpointer) -> int:
     ckpt.wait()  # the final checkpoint is durable before the run says it ended
     t.metrics.write("end", pos.step, pos.epoch, t.elapsed(), **({f"best_{name}": pos.best} if name else {}))
     t.metrics.close()
-    best = f", best test {logs.metric(name, pos.best)}" if name and pos.best is not None else ""
+    best = (
+        f", best test {logs.metric(name, pos.best, t.run.task.percent_metrics)}"
+        if name and pos.best is not None
+        else ""
+    )
     log.info("finished: %d steps%s, %.1f s; run directory %s", pos.step, best, t.elapsed(), run.cfg.run_dir)
     return EXIT_OK
 
@@ -293,7 +299,10 @@ def stop_on_signal(t: Training, ckpt: Checkpointer, wants_requeue: bool) -> int:
     on_rank0(
         env,
         lambda: log.info(
-            "stopped on signal at step %d with a checkpoint; launch again to resume (exit %d)", pos.step, EXIT_STOPPED
+            "stopped on signal at step %d with a checkpoint; resume with: %s (exit %d)",
+            pos.step,
+            relaunch.resume_command(cfg.run_dir),
+            EXIT_STOPPED,
         ),
         host,
     )

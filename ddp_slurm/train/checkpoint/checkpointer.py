@@ -165,6 +165,14 @@ class Checkpointer:
         if now is None or now != self._root:
             raise format.gone(self.paths.root, self.paths.checkpoint(step))
 
+    def poll(self) -> None:
+        """Each step, rank 0, no collective, never blocks: a background write that has become durable is
+        collected now, so that its line comes in order with the progress lines (it came at the next save,
+        after the lines of every step between). A failed one is left for the stop vote (``failed``): the
+        ranks raise it together."""
+        if self.run.rank == 0:
+            self._writer.collect_durable()
+
     @property
     def failed(self) -> bool:
         """This rank's write in flight failed (not raised yet): for the ranks' stop vote."""
