@@ -34,6 +34,7 @@ import tasks_helpers
 import torch
 from conftest import Launcher, base_env
 
+import ddp_slurm
 from ddp_slurm.train import checkpoint, metrics
 
 RUN_NAME = "r"
@@ -756,6 +757,31 @@ def test_the_best_checkpoint_survives_keep_1(
     )
     start_row = next(r for r in metrics.read(tmp_path / "runs" / "warm" / "metrics.jsonl") if r["kind"] == "start")
     assert start_row["init_step"] == best_step, start_row
+
+    # Exported for inference (gathered from the shards under fsdp), loaded back into the task's model and
+    # evaluated by hand: the run's best value.
+    out = tmp_path / "exported"
+    res = export(tmp_path, launch.run_dir, "--best", out)
+    assert res.returncode == 0 and f"(step {best_step}; mse=" in res.stdout, res.stderr
+    about = json.loads((out / "export.json").read_text())
+    assert (about["step"], about["strategy"], about["evaluation"]["mse"]) == (best_step, strategy, early[0]["best"])
+    model, task = ddp_slurm.load_model(out, with_task=True)
+    x, y = task.eval_data().tensors
+    with torch.no_grad():
+        assert task.eval_step(model, (x, y))["mse"].item() / len(x) == pytest.approx(early[0]["best"], rel=1e-5)
+    again = export(tmp_path, launch.run_dir, "--best", out)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "exists" in again.stderr
+
+
+def export(cwd: Path, *args: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.export", *map(str, args)],
+        cwd=cwd,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _started(run_dir: Path, *starts: dict[str, Any]) -> Path:
