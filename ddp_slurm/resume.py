@@ -16,6 +16,9 @@ metrics.jsonl): a run of 2 local ranks comes back as 2 ranks under the local lau
 the run left alone; ``--nproc-per-node N`` chooses another (1: this process alone). A run last trained
 inside a Slurm job is not brought back as that many local processes: resubmit it, or say how many.
 
+``--step N`` resumes from the checkpoint of step N: the newer ones are set aside first, never deleted
+(``train/rewind.py``), in the plain process before any rank starts.
+
 Nothing here imports torch: a bad RUN_DIR is one line and exit 2 at once. A run directory someone else
 could have written (another owner, writable by the group without ``run.shared``, by every user, a
 symlink) is refused here, before training imports the task its config.yaml names: that file could be
@@ -67,6 +70,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="local ranks to resume with (default: the world size the run last trained at, on this machine)",
     )
+    parser.add_argument(
+        "--step",
+        type=_step,
+        metavar="N",
+        help="resume from the checkpoint of step N: the newer ones are moved (never deleted) into "
+        "RUN_DIR/set-aside/<time>-after-step-N/, and the line says so",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser.parse_args(argv)
 
@@ -78,6 +88,12 @@ MAX_LOCAL_RANKS = 1024
 def _ranks(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= MAX_LOCAL_RANKS:
         raise argparse.ArgumentTypeError(f"expected a count of ranks from 1 to {MAX_LOCAL_RANKS}, got {text!r}")
+    return int(text)
+
+
+def _step(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a step (an integer >= 0), got {text!r}")
     return int(text)
 
 
@@ -151,15 +167,20 @@ def main(argv: list[str] | None = None, stop=None) -> int:
     try:
         forwarded = train_argv(run_dir, args.overrides)
         if one_rank_of_a_launch(os.environ):
-            if args.nproc_per_node is not None:
-                raise ValueError(
-                    "--nproc-per-node: this process is already one rank of a launch (torchrun, srun, the local "
-                    "launcher), which decides the ranks; drop the flag, or give it to a plain `ddp-slurm resume`"
-                )
+            for flag, given in (("--nproc-per-node", args.nproc_per_node), ("--step", args.step)):
+                if given is not None:
+                    raise ValueError(
+                        f"{flag}: this process is already one rank of a launch (torchrun, srun, the local "
+                        "launcher); drop the flag, or give it to a plain `ddp-slurm resume` before launching"
+                    )
             ranks = 1
         else:
             ranks = world_size(run_dir, args.nproc_per_node)
-    except (ValueError, history.ReportError) as exc:
+        if args.step is not None:
+            from ddp_slurm.train import rewind
+
+            sys.stderr.write(f"{PROG}: {rewind.rewind(run_dir, args.step)}\n")
+    except (ValueError, errors.UsageError) as exc:  # history.ReportError and the rewind's are UsageErrors
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_USAGE
     if ranks > 1:

@@ -35,7 +35,8 @@ from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
 
 PROG = "ddp-slurm export"
-MODEL, CONFIG, ABOUT = "model.pt", "config.yaml", "export.json"
+MODEL, ABOUT = "model.pt", "export.json"
+CONFIG = RunPaths(Path()).config.name  # the run's config, under the name it has in a run directory
 _POSITION = ("kind", "step", "epoch", "time_s", "test_samples")
 
 
