@@ -35,6 +35,7 @@ import torch
 from conftest import Launcher, base_env
 
 import ddp_slurm
+from ddp_slurm.tools import history, report
 from ddp_slurm.train import checkpoint, metrics
 
 RUN_NAME = "r"
@@ -747,6 +748,9 @@ def test_the_best_checkpoint_survives_keep_1(
     names = sorted(p.name for p in (launch.run_dir / "checkpoints").iterdir())
     assert names == sorted({f"step-{best_step}{suffix}", f"step-{end['step']}{suffix}"}), names
     assert (launch.run_dir / "best").read_text() == f"step-{best_step}{suffix}\n"
+    shown = report.summary(history.read_history(launch.run_dir))
+    assert f"stopped early at step {end['step']} (no improvement of mse" in shown, shown
+    assert f"(step {best_step}; lower is better)" in shown, shown
 
     run_to_end(  # a warm start from the best: the same checkpoint, whichever strategy wrote it, read by ddp
         launches,

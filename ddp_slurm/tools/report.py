@@ -36,7 +36,9 @@ def summary(run: RunHistory) -> str:
     """The text summary: status, the tracked metric (final and best, in its direction) and the other
     eval metrics' final values, time, restarts, mean throughput."""
     last = run.last or {}
-    if run.ended:
+    if run.ended and run.early_stop is not None:
+        status = f"stopped early at step {run.early_stop['step']} ({run.early_stop.get('reason', 'eval.patience')})"
+    elif run.ended:
         status = f"finished at step {last['step']}"
     elif last.get("kind") == "stop":
         status = f"stopped on a signal at step {last['step']} (resume: {relaunch.resume_command(run.run_dir)})"
