@@ -14,6 +14,8 @@ submits their own code.
 ``eval_usr2``    the same job, ``scancel --signal=USR2`` while an evaluation runs: abandoned within a
                  batch, the step checkpointed, requeued; the resumed job redoes that evaluation and ends
                  with ``eval_ref``'s evaluation lines and weights.
+``eval_early``   the slow task without sleeps, 20 epochs, ``eval.patience=3``: early stopping ends the job
+                 COMPLETED (exit 0), never requeued.
 Then submit: the minimal task and the example on 4 nodes, ``--wait``.
 
 Jobs use one CPU per rank (``--cpus-per-task=1``) so that runs are bit-for-bit repeatable.
@@ -158,6 +160,14 @@ def eval_job(d: TaskDriver, name: str) -> Job:
     return Job(name, "mnist_4node.sh", ["--nodes=4", *PER_NODE], args, d.workdir, steps=24)
 
 
+def early_job(d: TaskDriver) -> Job:
+    job = eval_job(d, "eval_early")
+    job.train_args = [a for a in job.train_args if not a.startswith(("slow.", "train.epochs="))]
+    job.train_args += ["train.epochs=20", "eval.patience=3", "eval.min_delta=1e-5"]
+    job.steps = 20 * 8
+    return job
+
+
 def eval_batches(job: Job) -> list[float]:
     """When each evaluation batch of the job began (any rank), from the slow task's log."""
     path = job.workdir / f"{job.name}-evals.log"
@@ -183,6 +193,7 @@ def eval_jobs(driver: TaskDriver) -> Iterator[dict[str, Future]]:
         {
             "eval_ref": (run_plain, eval_job(driver, "eval_ref")),
             "eval_usr2": (run_usr2_during_evaluation, eval_job(driver, "eval_usr2")),
+            "eval_early": (run_plain, early_job(driver)),
         },
     )
 
@@ -242,6 +253,18 @@ def test_usr2_during_a_long_evaluation_abandons_it_requeues_and_redoes_it(eval_j
 
     assert evals(job) == evals(ref) and [e[0] for e in evals(ref)] == [4, 8, 12, 16, 20, 24]
     assert_same_weights(job, ref)
+
+
+def test_early_stopping_ends_the_job_completed_without_a_requeue(eval_jobs) -> None:
+    job = result(eval_jobs, "eval_early")
+    assert (job.info["JobState"], job.info["ExitCode"], job.info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
+        job.describe()
+    )
+    [early] = job.rows("early_stop")
+    assert early["step"] < job.steps and early["best_step"] < early["step"], early
+    assert job.rows()[-1]["kind"] == "end" and job.rows()[-1]["step"] == early["step"], job.describe()
+    assert "early stop at step" in job.log_text() and "requeue" not in job.log_text().lower(), job.describe()
+    assert checkpoint.load_latest(job.run_dir)["finished"]
 
 
 # --------------------------------------------------------------------------- submit
