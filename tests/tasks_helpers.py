@@ -122,6 +122,21 @@ class SlowLine(Line):
 )
 
 
+SLOW_LINE_RUN = [
+    "task=slow_line_task.py:SlowLine",
+    "train.global_batch_size=32",
+    "train.optimizer=sgd",
+    "train.lr=0.1",
+    "train.schedule=constant",
+    "train.log_every_steps=4",
+    "train.eval_batch_size=10",
+    "eval.every_steps=4",
+    "checkpoint.every_steps=0",
+]
+"""The slow Line task's training: 8 steps per epoch, an evaluation every 4 steps of its 100 samples in batches
+of 10 per rank; checkpoints only where a stop or an evaluation asks for one."""
+
+
 def write_slow_line_task(folder: Path) -> Path:
     path = folder / "slow_line_task.py"
     path.write_text(SLOW_LINE_TASK)

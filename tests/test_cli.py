@@ -22,7 +22,10 @@ from ddp_slurm.config.doc import field_docs
 
 ENTRY_POINTS = [
     ["-m", "ddp_slurm"],
-    *[["-m", "ddp_slurm", c] for c in ("train", "submit", "doctor", "report", "export", "bench", "data", "init", "launch")],
+    *[
+        ["-m", "ddp_slurm", c]
+        for c in ("train", "submit", "doctor", "report", "export", "bench", "data", "init", "launch")
+    ],
     *[["-m", f"ddp_slurm.{m}"] for m in ("train", "submit", "doctor", "report", "export", "bench", "data", "launch")],
 ]
 

@@ -66,20 +66,7 @@ CNN = [
 EVAL_MLP = [*MLP, "eval.every_steps=25"]
 # The Line task made slow (tasks_helpers.SLOW_LINE_TASK): 8 steps per epoch, an evaluation every 4 steps of
 # 100 samples in batches of 10 per rank, each evaluation batch sleeping (a long evaluation).
-SLOW_LINE = [
-    "task=slow_line_task.py:SlowLine",
-    "slow.eval_log=evals.log",
-    "train.global_batch_size=32",
-    "train.optimizer=sgd",
-    "train.lr=0.1",
-    "train.schedule=constant",
-    "train.log_every_steps=4",
-    "train.eval_batch_size=10",
-    "eval.every_steps=4",
-    "checkpoint.every_steps=0",
-    "checkpoint.keep=100",
-    f"run.name={RUN_NAME}",
-]
+SLOW_LINE = [*tasks_helpers.SLOW_LINE_RUN, "slow.eval_log=evals.log", "checkpoint.keep=100", f"run.name={RUN_NAME}"]
 LONG_EVAL = [*SLOW_LINE, "train.epochs=3", "slow.eval_sleep_s=0.3"]  # 24 steps, 6 evaluations of 1.5-3 s
 # Early stopping: the reference run stops at an evaluation near step 80 of 160 (patience 3)
 EARLY = [

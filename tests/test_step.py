@@ -5,16 +5,12 @@ The 2-rank tests run real processes joined over gloo.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import helpers
 import pytest
 import torch
-from conftest import base_env
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_slurm.tasks.mnist import data, models
@@ -228,27 +224,7 @@ def test_two_ranks_agree_at_the_same_step_and_evaluate_rank_zeros_model(tmp_path
     script = tmp_path / "two.py"
     script.write_text(TWO_RANKS)
     weights = tmp_path / "rank0.pt"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(script),
-                str(rank),
-                str(tmp_path / "store"),
-                str(tmp_path / f"out{rank}.json"),
-                str(weights),
-            ],
-            env=base_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output
-    r0, r1 = (json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2))
+    r0, r1 = helpers.two_ranks(script, tmp_path, str(weights))
 
     assert r0["seen"] == r1["seen"]  # every rank reads the same flags after the same step
     requeue = [s[0] for s in r0["seen"]]
@@ -321,20 +297,7 @@ def test_the_evaluation_vote_keeps_ranks_with_unequal_shards_together(tmp_path: 
     abandons the evaluation on both at the same batch, the rank that took the signal finishing none after it."""
     script = tmp_path / "vote.py"
     script.write_text(EVAL_VOTE)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(tmp_path / f"out{rank}.json")],
-            env=base_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output
-    r0, r1 = (json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2))
+    r0, r1 = helpers.two_ranks(script, tmp_path)
     assert r0["whole"]["found"] == r1["whole"]["found"] == [{"one": 1.0}, 27]
     assert r0["whole"]["ran"] == [4, 4, 2] and r1["whole"]["ran"] == [4, 4, 4, 4, 1]
     assert r0["stopped"]["found"] is None and r1["stopped"]["found"] is None

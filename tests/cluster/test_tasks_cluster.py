@@ -46,7 +46,7 @@ from cluster.test_sbatch import (
     run_scancel_usr2,
     started,
 )
-from tasks_helpers import LINE_RUN, addition_tiny, write_line_task, write_slow_line_task
+from tasks_helpers import LINE_RUN, SLOW_LINE_RUN, addition_tiny, write_line_task, write_slow_line_task
 
 from ddp_slurm.train import checkpoint
 
@@ -137,21 +137,9 @@ def line_job(driver: TaskDriver) -> Iterator[dict[str, Future]]:
     yield from started(d, {"line_torchrun": (run_plain, line)})
 
 
-# The slow Line task (8 steps per epoch, 3 epochs): an evaluation every 4 steps of 100 samples in batches of
-# 10 per rank, each batch sleeping 1 s, so that most of the job's time is spent evaluating.
-SLOW_EVAL = [
-    "task=slow_line_task.py:SlowLine",
-    "train.epochs=3",
-    "train.global_batch_size=32",
-    "train.optimizer=sgd",
-    "train.lr=0.1",
-    "train.schedule=constant",
-    "train.log_every_steps=4",
-    "train.eval_batch_size=10",
-    "eval.every_steps=4",
-    "checkpoint.every_steps=0",
-    "slow.eval_sleep_s=1.0",
-]
+# The slow Line task for 3 epochs (24 steps, 6 evaluations), each evaluation batch sleeping 1 s, so that
+# most of the job's time is spent evaluating.
+SLOW_EVAL = [*SLOW_LINE_RUN, "train.epochs=3", "slow.eval_sleep_s=1.0"]
 
 
 def eval_job(d: TaskDriver, name: str) -> Job:
