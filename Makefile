@@ -7,14 +7,23 @@ RUN_NAME ?= local-$(shell date +%Y%m%d-%H%M%S)
 # nvidia-* wheels alone take 3.2 GB); for a machine without a GPU. Its +cpu version outranks PyPI's.
 TORCH ?=
 TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--extra-index-url https://download.pytorch.org/whl/cpu)
+# An existing .venv with PyPI's build keeps it unless torch is named for an upgrade (+cpu outranks it).
+TORCH_SWITCH := $(if $(filter cpu,$(TORCH)),--upgrade torch torchvision)
 
-.PHONY: run test lint system-packages clean
+.PHONY: run test lint system-packages clean FORCE
 
-# What training needs (torch, torchvision, submitit, ...), no test tools.
-$(VENV)/.installed: setup.cfg pyproject.toml
+# The build asked for (TORCH=...), remembered in .venv: asking for another one redoes the install below.
+$(VENV)/.torch-choice: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH)' | cmp -s - $@ || echo '$(TORCH)' > $@
+
+# What training needs (torch, torchvision, submitit, ...), no test tools. The last line says which torch
+# build pip installed, and warns when it is not the one asked for (pip falls back to PyPI's silently).
+$(VENV)/.installed: setup.cfg pyproject.toml $(VENV)/.torch-choice
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_INDEX) -e .
+	$(PIP) install -q $(TORCH_INDEX) $(TORCH_SWITCH) -e .
+	$(VENV)/bin/python -m ddp_slurm.tools.torchbuild $(TORCH)
 	touch $@
 
 # The test tools on top (pytest, ruff, tensorboard).
@@ -40,5 +49,6 @@ lint: $(VENV)/.installed-test
 test: $(VENV)/.installed-test system-packages lint
 	$(VENV)/bin/python -m pytest
 
+# The environment only: runs/ (every checkpoint and metric trained here) and data/ are never touched.
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .pytest_cache

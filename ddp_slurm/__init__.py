@@ -20,6 +20,7 @@ _PUBLIC = {
     "Tensors": "ddp_slurm.train.task",
     "Context": "ddp_slurm.train.task",
     "run": "ddp_slurm.train.entry",
+    "load_model": "ddp_slurm.tools.export",
     "checked": "ddp_slurm.config",
     "ConfigError": "ddp_slurm.config",
     "Error": "ddp_slurm.errors",

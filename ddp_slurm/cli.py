@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("ddp_slurm.launch.submit", "submit the training job through submitit (Slurm or this machine)"),
     "doctor": ("ddp_slurm.tools.doctor", "preflight of an allocation: rank map, addresses, one timed all-reduce"),
     "report": ("ddp_slurm.tools.report", "plots and summary of one or more run directories (or a sweep)"),
+    "export": (
+        "ddp_slurm.tools.export",
+        "a run's model weights for inference: ddp-slurm export RUN_DIR [--best|--step N] OUT",
+    ),
     "bench": ("ddp_slurm.bench.__main__", "throughput and overhead benchmarks"),
     "data": ("ddp_slurm.data", "fetch full MNIST on a machine with internet"),
     "init": ("ddp_slurm.launch.init", "copy the sbatch scripts and job configs into a directory"),

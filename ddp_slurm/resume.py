@@ -11,6 +11,14 @@ torchrun or the local launcher too::
 
     python -m ddp_slurm.launch --standalone --nproc-per-node 2 -m ddp_slurm.resume runs/two
 
+Run as a plain process, it keeps the world size the run last trained at (the last ``start`` line of its
+metrics.jsonl): a run of 2 local ranks comes back as 2 ranks under the local launcher, bit-identical to
+the run left alone; ``--nproc-per-node N`` chooses another (1: this process alone). A run last trained
+inside a Slurm job is not brought back as that many local processes: resubmit it, or say how many.
+
+``--step N`` resumes from the checkpoint of step N: the newer ones are set aside first, never deleted
+(``train/rewind.py``), in the plain process before any rank starts.
+
 Nothing here imports torch: a bad RUN_DIR is one line and exit 2 at once. A run directory someone else
 could have written (another owner, writable by the group without ``run.shared``, by every user, a
 symlink) is refused here, before training imports the task its config.yaml names: that file could be
@@ -25,12 +33,17 @@ if __name__ == "__main__":  # first, before torch is imported: a stop signal fro
     _early = StopFlag.early()
 
 import argparse
+import os
+import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from ddp_slurm import config, safefs
+from ddp_slurm import config, errors, safefs
+from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.tools import history
 
 PROG = "ddp-slurm resume"
 
@@ -51,8 +64,84 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--nproc-per-node 2 -m ddp_slurm.resume RUN_DIR",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory (runs/<name>)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=_ranks,
+        metavar="N",
+        help="local ranks to resume with (default: the world size the run last trained at, on this machine)",
+    )
+    parser.add_argument(
+        "--step",
+        type=_step,
+        metavar="N",
+        help="resume from the checkpoint of step N: the newer ones are moved (never deleted) into "
+        "RUN_DIR/set-aside/<time>-after-step-N/, and the line says so",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser.parse_args(argv)
+
+
+MAX_LOCAL_RANKS = 1024
+"""More local processes than this is no resume of anything this machine ran."""
+
+
+def _ranks(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_LOCAL_RANKS:
+        raise argparse.ArgumentTypeError(f"expected a count of ranks from 1 to {MAX_LOCAL_RANKS}, got {text!r}")
+    return int(text)
+
+
+def _step(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a step (an integer >= 0), got {text!r}")
+    return int(text)
+
+
+def one_rank_of_a_launch(environ: Mapping[str, str]) -> bool:
+    """This process is already one rank of a launch (torchrun, the local launcher, a Slurm step)."""
+    try:
+        return DistEnv.from_environ(environ).launcher != "single"
+    except errors.Error:  # contradictory launcher variables: the training says what is wrong
+        return True
+
+
+def world_size(run_dir: Path, asked: int | None) -> int:
+    """The local ranks to resume ``run_dir`` with: ``asked``, else the world size of its last launch (1 when it
+    never started one). ValueError for a run last trained inside a Slurm job at more than one rank."""
+    if asked is not None:
+        return asked
+    try:
+        starts = history.read_history(run_dir).starts
+    except history.ReportError:  # no metrics yet: it never trained a step
+        return 1
+    if not starts:
+        return 1
+    last = starts[-1]
+    size = last.get("world_size") or 1  # an int: history checks the field's type
+    if size > 1 and last.get("job_id"):
+        raise ValueError(
+            f"{run_dir} last trained at world size {size} in a Slurm job: resubmit it to resume at that size "
+            "(docs/cluster.md), or pass --nproc-per-node N to resume it here with N local ranks"
+        )
+    if not 1 <= size <= MAX_LOCAL_RANKS:
+        raise ValueError(f"{run_dir}: its metrics.jsonl says world size {size}; pass --nproc-per-node N")
+    return size
+
+
+def launcher_argv(run_dir: Path, ranks: int, overrides: list[str]) -> list[str]:
+    """The local launcher running this command as ``ranks`` ranks."""
+    return [
+        sys.executable,
+        "-m",
+        "ddp_slurm.launch",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "ddp_slurm.resume",
+        str(run_dir),
+        *overrides,
+    ]
 
 
 def train_argv(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -74,11 +163,31 @@ def train_argv(run_dir: Path, overrides: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None, stop=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    run_dir = Path(args.run_dir)
     try:
-        forwarded = train_argv(Path(args.run_dir), args.overrides)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        forwarded = train_argv(run_dir, args.overrides)
+        if one_rank_of_a_launch(os.environ):
+            for flag, given in (("--nproc-per-node", args.nproc_per_node), ("--step", args.step)):
+                if given is not None:
+                    raise ValueError(
+                        f"{flag}: this process is already one rank of a launch (torchrun, srun, the local "
+                        "launcher); drop the flag, or give it to a plain `ddp-slurm resume` before launching"
+                    )
+            ranks = 1
+        else:
+            ranks = world_size(run_dir, args.nproc_per_node)
+        if args.step is not None:
+            from ddp_slurm.train import rewind
+
+            sys.stderr.write(f"{PROG}: {rewind.rewind(run_dir, args.step)}\n")
+    except (ValueError, errors.UsageError) as exc:  # history.ReportError and the rewind's are UsageErrors
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_USAGE
+    if ranks > 1:
+        argv = launcher_argv(run_dir, ranks, args.overrides)
+        sys.stderr.write(f"{PROG}: {run_dir} resumes with {ranks} local ranks: {shlex.join(argv)}\n")
+        sys.stderr.flush()
+        os.execv(sys.executable, argv)  # the launcher takes this process over: Ctrl-C reaches it as before
     from ddp_slurm.train import cli
 
     return cli.main(forwarded, stop=stop)

@@ -6,6 +6,8 @@
     metrics.jsonl    rank 0's records, one JSON object per line (train/metrics.py)
     checkpoints/     step-<N>.pt (ddp) or step-<N>/ (fsdp, a folder of shards, written as
                      .step-<N>.partial/ and renamed when committed); the last checkpoint.keep kept
+    best             the name of the best checkpoint (train/checkpoint/best.py)
+    set-aside/       checkpoints newer than the step ``resume --step N`` went back to (train/rewind.py)
     .lock            the lock one launch holds while it trains (train/rundir.py)
     lost_nodes       hosts a run lost a rank on, one line each (slurmjob/badnodes.py)
     chain/           the batch scripts of chained successor jobs, <job id>.sh (slurmjob/chain.py)
@@ -62,6 +64,18 @@ class RunPaths:
     def partial(self, step: int | str) -> Path:
         """``checkpoints/.step-<N>.partial/``: a sharded checkpoint being written, renamed once committed."""
         return self.checkpoints / f".step-{step}.partial"
+
+    @property
+    def best(self) -> Path:
+        """``best``: the name of the checkpoint at the best value of the task's metric (kept outside
+        ``checkpoint.keep``); ``run.init_from=<run dir>/best`` starts from it."""
+        return self.root / "best"
+
+    @property
+    def set_aside(self) -> Path:
+        """``set-aside/``: ``<when>-after-step-<N>/`` folders of the checkpoints ``resume --step N`` moved
+        out of ``checkpoints/`` (newer than the step it went back to), never deleted by the package."""
+        return self.root / "set-aside"
 
     @property
     def lock(self) -> Path:

@@ -1,7 +1,8 @@
 """``task=...``: from an import path to a Task class, checked before anything starts (the config layer).
 
 ``package.module:Name`` is imported like any module (the working directory and PYTHONPATH are searched);
-``path/to/file.py:Name`` imports that file, the way a user's script is run. Every failure is a one-line
+``path/to/file.py:Name`` imports that file, the way a user's script is run; a relative one is recorded
+absolute (``absolute``), so that a run directory's config.yaml names its task wherever it is read from. Every failure is a one-line
 ``TaskError`` (a ``ConfigError``: exit 2, nothing created). Torch-free; the Task base class lives in
 ``ddp_slurm.train.task`` and is recognised here by name, so that this layer never imports the runtime.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,17 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or "(no message)"
 
 
+def absolute(spec: str) -> str:
+    """``spec`` with a relative task file made absolute from the working directory (``line.py:Line`` ->
+    ``/home/me/proj/line.py:Line``); an import path, or a file given absolute, unchanged. What a run records:
+    resuming it then imports the same file from any directory. No import, no file read (the path is not
+    resolved through links either: it names the file the user named)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name.endswith(".py") or os.path.isabs(module_name):
+        return spec
+    return f"{os.path.abspath(module_name)}:{attr}"
+
+
 def task_path(cls: type) -> str:
     """The import path the config records for a task class: ``package.module:Name``."""
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -126,6 +139,11 @@ def validate_class(obj: Any, spec: str) -> type:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise TaskError(f"task={spec!r}: section {f.name!r} of {obj.__name__}.Config needs a default")
     base = next(c for c in obj.__mro__ if c.__name__ == "Task" and c.__module__ == "ddp_slurm.train.task")
+    percent = obj.percent_metrics
+    if percent is not None and not (isinstance(percent, tuple) and all(isinstance(p, str) for p in percent)):
+        raise TaskError(
+            f"task={spec!r}: {obj.__name__}.percent_metrics must be a tuple of metric names (or None), got {percent!r}"
+        )
     for name in ("build_model", "train_data", "training_step"):
         if getattr(obj, name) is getattr(base, name):
             raise TaskError(f"task={spec!r}: {obj.__name__} does not define {name}()")

@@ -4,11 +4,27 @@ docstrings shown as ``--help`` text."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 # reST in docstrings: ``literal``, :role:`target` and :role:`~pkg.mod.Name` (shown as Name).
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
+
+
+def is_percent(name: str, percent: Collection[str] | None = None) -> bool:
+    """Whether metric ``name`` is a fraction shown x100 with a % sign: named in ``percent`` (a task's
+    ``percent_metrics``), or, where the task declares none (None), a name containing ``accuracy``."""
+    return name in percent if percent is not None else "accuracy" in name
+
+
+def metric_value(name: str, value: float, percent: Collection[str] | None = None) -> str:
+    """``97.50%`` for a fraction shown as a percentage (``is_percent``), ``0.0003142`` for the rest."""
+    return f"{100 * value:.2f}%" if is_percent(name, percent) else f"{value:.4g}"
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``: a count and its noun, singular for one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def plain(doc: str | None) -> str:

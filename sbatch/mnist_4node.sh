@@ -47,7 +47,8 @@
 # Paths: the job runs in the directory you submitted from; relative paths in the config
 # (run.output_root, data.root) are relative to it. The config is jobs/mnist.yaml of the project
 # (found from the submit directory or the installed package); `--config FILE` as the first
-# argument after the script name replaces it.
+# argument after the script name replaces it, and `task=...` without `--config` runs that task
+# with its own defaults (docs/tasks.md: a YAML of your own once it needs more than a few overrides).
 set -uo pipefail
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then

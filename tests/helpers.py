@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from conftest import base_env
 
 from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.tasks.mnist.data import Split
@@ -123,3 +127,24 @@ def run_objects(
         groups=Groups(),
         **extra,
     )
+
+
+def two_ranks(script: Path, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[Any, Any]:
+    """Run ``script RANK STORE OUT [EXTRA ...]`` as ranks 0 and 1 at once (they meet through a file store
+    under ``tmp_path``); each must exit 0. Returns what each wrote to its OUT file as JSON."""
+    out = [tmp_path / f"out{rank}.json" for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(out[rank]), *extra],
+            env=base_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        output, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, output
+    r0, r1 = (json.loads(path.read_text()) for path in out)
+    return r0, r1

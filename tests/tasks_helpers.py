@@ -78,3 +78,66 @@ def addition_tiny(
         "checkpoint.every_steps=10",
         "checkpoint.keep=100",
     ]
+
+
+# The Line task made slow on purpose, for the evaluation tests (tests/test_resume.py): each training step
+# and each evaluation batch sleeps, and each evaluation batch appends "<time> <rank> <samples>" to a file,
+# so that a test can send a signal while an evaluation is under way and see how soon it was abandoned.
+SLOW_LINE_TASK = (
+    LINE_TASK
+    + '''
+
+import os
+import time
+
+
+@dataclass
+class SlowSection:
+    train_sleep_s: float = 0.0
+    eval_sleep_s: float = 0.0
+    eval_log: str | None = None
+
+
+@dataclass
+class SlowLineConfig(LineConfig):
+    slow: SlowSection = field(default_factory=SlowSection)
+
+
+class SlowLine(Line):
+    """Line, with a sleep in each training step and each evaluation batch."""
+
+    Config = SlowLineConfig
+
+    def training_step(self, model, batch):
+        time.sleep(self.config.slow.train_sleep_s)
+        return super().training_step(model, batch)
+
+    def eval_step(self, model, batch):
+        if self.config.slow.eval_log:
+            with open(self.config.slow.eval_log, "a") as f:
+                f.write(f"{time.time()} {os.environ.get('RANK', '0')} {len(batch[0])}\\n")
+        time.sleep(self.config.slow.eval_sleep_s)
+        return super().eval_step(model, batch)
+'''
+)
+
+
+SLOW_LINE_RUN = [
+    "task=slow_line_task.py:SlowLine",
+    "train.global_batch_size=32",
+    "train.optimizer=sgd",
+    "train.lr=0.1",
+    "train.schedule=constant",
+    "train.log_every_steps=4",
+    "train.eval_batch_size=10",
+    "eval.every_steps=4",
+    "checkpoint.every_steps=0",
+]
+"""The slow Line task's training: 8 steps per epoch, an evaluation every 4 steps of its 100 samples in batches
+of 10 per rank; checkpoints only where a stop or an evaluation asks for one."""
+
+
+def write_slow_line_task(folder: Path) -> Path:
+    path = folder / "slow_line_task.py"
+    path.write_text(SLOW_LINE_TASK)
+    return path

@@ -4,18 +4,15 @@ through torchrun (DDP's ``no_sync`` path at 2 ranks), a stop signal and an exact
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import pytest
 import test_resume
 import torch
-from conftest import base_env
 from test_resume import Launch, assert_resumed_from, assert_stopped, run_to_end, start
 from torch import nn
 
@@ -150,20 +147,7 @@ def test_two_ranks_accumulate_as_one_batch_under_ddp_and_fsdp(tmp_path: Path) ->
     only its shard of the gradient (the size of its parameter shard), a ddp rank the whole of it."""
     script = tmp_path / "two.py"
     script.write_text(TWO_RANKS)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(tmp_path / f"out{rank}.json")],
-            env=base_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output
-    r0, r1 = (json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2))
+    r0, r1 = helpers.two_ranks(script, tmp_path)
     whole = 4 * (4 * 8 + 8 + 8 + 1)  # fp32 bytes of the whole model
     for name in ("ddp", "fsdp"):
         for r in (r0, r1):

@@ -26,6 +26,9 @@ def good() -> dict[str, Any]:
         "config": {"task": "ddp_slurm.tasks.mnist:MNIST"},
         "rng": [rng.rng_state(torch.device("cpu"))],
         "world_size": 1,
+        "best_step": 10,
+        "stale": 1,
+        "evaluated": 12,
     }
 
 
@@ -41,6 +44,9 @@ BAD = {
     "config": [None, {"train": {}}, {"task": 3}],
     "rng": [[], None, [{}], [{"python": random.getstate(), "torch": torch.zeros(3, dtype=torch.uint8)}]],
     "world_size": [2, -1, "1"],
+    "best_step": [-1, 13, 1.0, True, "10"],  # never beyond the step
+    "stale": [None, -1, 0.5, False],
+    "evaluated": [None, -1, 13, "12"],
 }
 
 
@@ -52,7 +58,7 @@ def test_every_bad_value_is_named(key: str, value: Any) -> None:
         schema.check(record)
 
 
-@pytest.mark.parametrize("key", [k for k in good() if k != "world_size"])
+@pytest.mark.parametrize("key", [k for k in good() if k != "world_size" and k not in schema.OPTIONAL])
 def test_every_missing_key_is_named(key: str) -> None:
     record = good()
     del record[key]
@@ -89,3 +95,11 @@ def test_the_scalers_state_is_checked_where_a_record_has_one(value: Any, ok: boo
     else:
         with pytest.raises(ValueError, match="its scaler is not null or a gradient scaler's state"):
             schema.check(record)
+
+
+def test_the_keys_of_evaluation_are_optional_for_earlier_checkpoints() -> None:
+    """A record written before ``best_step``, ``stale`` and ``evaluated`` existed passes, and resumes with
+    no early-stopping count and nothing left to evaluate; ``best_step`` null is the best's step unknown."""
+    record = {k: v for k, v in good().items() if k not in schema.OPTIONAL}
+    schema.check(record)
+    schema.check(good() | {"best_step": None})

@@ -143,3 +143,17 @@ def test_async_sharded_saves_turn_synchronous_when_host_copies_would_not_fit(
     else:
         assert returned == [None, None] and not warned
     assert [step for step, _ in sharded.list_sharded(paths)] == [2, 1]
+
+
+def test_pruning_spares_the_best_beside_the_newest(run: Path) -> None:
+    """``checkpoint.keep=1`` with the best older than the newest: both stay, nothing else."""
+    folder, paths = run / "checkpoints", RunPaths(run)
+    steps = sorted(int(p.name.split("-")[1]) for p in folder.iterdir())
+    assert len(steps) >= 2, steps
+    backend = Sharded()
+    judge = gate.Gate(backend, paths, []).judge_summary
+    newest, best = folder / f"step-{steps[-1]}", folder / f"step-{steps[0]}"
+    listing.prune(
+        backend.candidates(paths), 1, newest, summary_of=backend.summary, judge=judge, remove=sharded.remove, spare=best
+    )
+    assert sorted(p.name for p in folder.iterdir()) == sorted({newest.name, best.name})

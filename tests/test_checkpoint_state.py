@@ -140,3 +140,19 @@ def test_an_unknown_format_is_refused_with_its_reason(tmp_path) -> None:
     bad["content_sha256"] = checkpoint.content_digest(bad)
     with pytest.raises(ValueError, match="format 7"):
         checkpoint.validate(bad)
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_improve_tracks_the_best_its_step_and_the_evaluations_without_improvement(higher: bool) -> None:
+    """``Position.improve``: a new best is any gain (its value and step kept); early stopping's count
+    (``stale``) restarts only on a gain of more than ``min_delta``, in the task's direction."""
+    sign = 1 if higher else -1
+    pos = state.Position(step=4)
+    seen = []
+    for step, value in [(4, 0.5), (8, 0.55), (12, 0.40), (16, 0.70), (20, 0.70)]:
+        pos.step = step
+        seen.append((pos.improve(sign * value, higher, min_delta=0.1), pos.stale, pos.best_step, pos.evaluated))
+    assert seen == [(True, 0, 4, 4), (True, 1, 8, 8), (False, 2, 8, 12), (True, 0, 16, 16), (False, 1, 16, 20)]
+    assert pos.best == sign * 0.70
+    pos.step = 24
+    assert not pos.improve(None, higher) and pos.evaluated == 24 and pos.stale == 1  # no metric: nothing judged

@@ -108,6 +108,31 @@ def test_poll_returns_a_finished_write_once_and_never_blocks(tmp_path: Path, wri
     assert ckpt.poll() is None and ckpt.wait() is None
 
 
+def test_collect_durable_says_a_finished_write_at_once_and_leaves_a_failure_to_wait(
+    tmp_path: Path, writer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the loop asks every step (rank 0): a durable write is logged then, not at the next save after
+    the progress lines of every step between; a failed one is not raised by one rank alone (the stop vote
+    makes every rank raise it together), and ``wait`` still raises it."""
+    durable: list[str] = []
+    ckpt = AsyncCheckpointer(tmp_path, keep=3, writer=writer, on_durable=lambda p, t: durable.append(p.name))
+    assert ckpt.collect_durable() is None  # nothing in flight
+    ckpt.save(small_state(10))
+    ckpt._write.join()
+    with caplog.at_level("INFO"):
+        assert ckpt.collect_durable() == tmp_path / "checkpoints" / "step-10.pt"
+    assert "step-10.pt written in the background" in caplog.text and durable == ["step-10.pt"]
+    assert ckpt.collect_durable() is None and not ckpt.in_flight
+    (tmp_path / "checkpoints").rename(tmp_path / "moved")
+    (tmp_path / "checkpoints").write_text("not a directory")
+    ckpt.save(small_state(20))
+    ckpt._write.join()
+    assert ckpt.collect_durable() is None and ckpt.failed
+    with pytest.raises(checkpoint.CheckpointError, match="step-20.pt"):
+        ckpt.wait()
+    ckpt.close()
+
+
 def test_urgent_save_cancels_an_older_write(tmp_path: Path, writer: str) -> None:
     """A stop signal's save of a newer step: the in-flight write of an older step is cancelled (a
     process killed, a thread stopped at its next tensor or write) and its temporary file removed, so

@@ -22,8 +22,11 @@ from ddp_slurm.config.doc import field_docs
 
 ENTRY_POINTS = [
     ["-m", "ddp_slurm"],
-    *[["-m", "ddp_slurm", c] for c in ("train", "submit", "doctor", "report", "bench", "data", "init", "launch")],
-    *[["-m", f"ddp_slurm.{m}"] for m in ("train", "submit", "doctor", "report", "bench", "data", "launch")],
+    *[
+        ["-m", "ddp_slurm", c]
+        for c in ("train", "submit", "doctor", "report", "export", "bench", "data", "init", "launch")
+    ],
+    *[["-m", f"ddp_slurm.{m}"] for m in ("train", "submit", "doctor", "report", "export", "bench", "data", "launch")],
 ]
 
 
@@ -46,7 +49,7 @@ def test_help_imports_no_torch(entry: list[str]) -> None:
 
 def test_top_level_usage_lists_every_command() -> None:
     res = py("-m", "ddp_slurm", "--help")
-    for command in ("train", "submit", "doctor", "report", "bench", "data", "init", "launch"):
+    for command in ("train", "submit", "doctor", "report", "export", "bench", "data", "init", "launch"):
         assert f"  {command} " in res.stdout
 
 

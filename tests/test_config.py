@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -459,3 +461,16 @@ def test_a_number_typed_for_a_string_key_is_its_text() -> None:
     assert cfg.slurm.partition == "007"
     with pytest.raises(config.ConfigError, match="model.name"):
         config.load(None, ["model.name=3"])
+
+
+def test_explain_speaks_to_users_not_to_the_project_s_history() -> None:
+    """``--explain`` is read by users: no "as in the seed documents" (a phrase of the project's brief)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.train", "--print-config", "--explain"],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "784-100-10" in res.stdout and "seed document" not in res.stdout

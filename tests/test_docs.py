@@ -48,6 +48,7 @@ WHEEL = "tests/cluster/test_wheel_cluster.py::test_wheel_init_then_sbatch"
 CLAIMED = {
     "make run": ("tests/test_docs.py::test_make_run", '"run"'),
     "make test": (".ci/run", "make test"),
+    "make run TORCH=cpu": ("tests/test_docs.py::test_make_with_another_torch_build_redoes_the_install", '"TORCH=cpu"'),
     # no internet here: its failure (one line, exit 1) is what runs; a fetch needs a network
     "python -m ddp_slurm.data download --root data": (
         "tests/test_data.py::test_download_command_without_network",
@@ -273,13 +274,61 @@ def test_make_run_installs_no_test_tools_and_torch_cpu_takes_the_cpu_build(tmp_p
         return res.stdout
 
     root = fresh_copy(tmp_path / "repo")
-    run = recipe("run")
-    assert "pip install -q  -e .\n" in run and "[test]" not in run and "download.pytorch.org" not in run
+    run = " ".join(recipe("run").split(" "))
+    assert re.search(r"pip install -q +-e \.\n", run) and "[test]" not in run and "download.pytorch.org" not in run
     assert "ddp_slurm.launch --standalone --nproc_per_node 2" in run
+    assert re.search(r"python -m ddp_slurm.tools.torchbuild *\n", run)  # which build got installed, said last
     test = recipe("test")
     assert "-e '.[test]'" in test and "-m pytest" in test
     cpu = recipe("run", "TORCH=cpu")
-    assert "pip install -q --extra-index-url https://download.pytorch.org/whl/cpu -e ." in cpu
+    assert (
+        "pip install -q --extra-index-url https://download.pytorch.org/whl/cpu --upgrade torch torchvision -e ." in cpu
+    )
+    assert "python -m ddp_slurm.tools.torchbuild cpu\n" in cpu
+
+
+FAKE_TOOL = '#!/bin/sh\necho "$0 $*" >> "$(dirname "$0")/../calls"\n'
+"""A stand-in for .venv/bin/python and pip: it notes how it was called, and does nothing."""
+
+
+def test_make_clean_keeps_what_was_trained(tmp_path: Path) -> None:
+    """`make clean` removes the environment only: runs/ (checkpoints, metrics) and data/ stay."""
+    root = fresh_copy(tmp_path / "repo")
+    for made in ("runs/first/checkpoints/step-10.pt", "runs/first/metrics.jsonl", "data/MNIST/raw/x", ".venv/x"):
+        (root / made).parent.mkdir(parents=True, exist_ok=True)
+        (root / made).write_text("mine")
+    res = subprocess.run(["make", "clean"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not (root / ".venv").exists()
+    assert (root / "runs/first/checkpoints/step-10.pt").read_text() == "mine"
+    assert (root / "runs/first/metrics.jsonl").is_file() and (root / "data/MNIST/raw/x").is_file()
+
+
+def test_make_with_another_torch_build_redoes_the_install(tmp_path: Path) -> None:
+    """A .venv installed with PyPI's torch, then `make run TORCH=cpu`: the install runs again (naming torch
+    for an upgrade, since an installed torch satisfies pip) and says which build it got; the same choice
+    again installs nothing; back to the default, it runs again."""
+    root = fresh_copy(tmp_path / "repo")
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for tool in ("python", "pip"):
+        (bin_dir / tool).write_text(FAKE_TOOL)
+        (bin_dir / tool).chmod(0o755)
+    calls = root / ".venv" / "calls"
+
+    def make(*args: str) -> str:
+        calls.unlink(missing_ok=True)
+        res = subprocess.run(["make", *args, ".venv/.installed"], cwd=root, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return calls.read_text() if calls.exists() else ""
+
+    assert "pip install -q" in make()  # the first install, PyPI's torch
+    assert make() == ""  # up to date
+    cpu = make("TORCH=cpu")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu --upgrade torch torchvision -e ." in cpu, cpu
+    assert "python -m ddp_slurm.tools.torchbuild cpu" in cpu
+    assert make("TORCH=cpu") == ""
+    assert "python -m ddp_slurm.tools.torchbuild\n" in make()
 
 
 def defines(path: Path, name: str) -> bool:
@@ -337,3 +386,13 @@ def test_every_path_a_page_names_exists() -> None:
         if not (REPO / path).exists()
     ]
     assert not missing, f"pages name paths that do not exist (moved or renamed?): {missing}"
+
+
+def test_tasks_page_lists_every_reserved_section_name() -> None:
+    """docs/tasks.md names the sections a task's Config may not reuse: all of them (`log` was missing)."""
+    from ddp_slurm.config.schema import RUNTIME_SECTIONS
+
+    text = " ".join((REPO / "docs" / "tasks.md").read_text().split())
+    listed = re.search(r"validated exactly like the runtime's \(([^)]*)\)", text)
+    assert listed, "docs/tasks.md no longer says which section names are the runtime's"
+    assert set(re.findall(r"`(\w+)`", listed.group(1))) == {*RUNTIME_SECTIONS, "task"}

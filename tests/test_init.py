@@ -56,3 +56,33 @@ def test_init_into_a_file_is_refused(tmp_path: Path) -> None:
 def test_asset_lookup() -> None:
     assert init.asset("jobs/mnist.yaml").read_bytes() == (REPO / "jobs" / "mnist.yaml").read_bytes()
     assert init.asset_dir("sbatch") in (REPO / "sbatch", Path(init.__file__).parents[1] / "assets" / "sbatch")
+
+
+def test_init_with_a_task_writes_its_job_config_with_the_submit_lines(tmp_path: Path) -> None:
+    """``ddp-slurm init DIR --task line_task.py:Line``: jobs/line.yaml with the task's own sections and the
+    runtime's at their defaults, the sbatch lines that submit it, and a file ``--config`` reads back."""
+    from tasks_helpers import write_line_task
+
+    from ddp_slurm import config
+
+    write_line_task(tmp_path)
+    res = ddp_slurm("init", "project", "--task", "line_task.py:Line", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    job = tmp_path / "project" / "jobs" / "line.yaml"
+    text = job.read_text()
+    assert f"task: {tmp_path / 'line_task.py'}:Line\n" in text and "\nline:\n" in text and "\nslurm:\n" in text
+    assert "\nmodel:\n" not in text  # MNIST's sections are not this task's
+    assert "#   sbatch sbatch/mnist_4node.sh --config jobs/line.yaml" in text
+    assert "#   sbatch sbatch/mnist_torchrun.sh --config jobs/line.yaml" in text
+    assert "sbatch sbatch/mnist_4node.sh --config jobs/line.yaml" in res.stdout.splitlines()[-1]
+    assert (tmp_path / "project" / "sbatch" / "mnist_4node.sh").is_file()
+    loaded = config.load(job, resolve=False)
+    assert (
+        loaded.task.endswith("line_task.py:Line") and loaded.slurm.nodes == config.Config(task=loaded.task).slurm.nodes
+    )
+
+
+def test_init_with_a_task_that_cannot_be_used_writes_nothing(tmp_path: Path) -> None:
+    res = ddp_slurm("init", "project", "--task", "nowhere.py:Missing", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "nowhere.py" in res.stderr, res.stderr
+    assert not (tmp_path / "project").exists()

@@ -157,6 +157,7 @@ def test_no_package_module_imports_a_compatibility_module() -> None:
 # running back up: the runtime writing into a launcher's module, a tool reading a launcher's file).
 LAYERS = [
     ("ddp_slurm.launch", "ddp_slurm.bench", "ddp_slurm.__main__", "ddp_slurm.cli", "ddp_slurm.resume", "ddp_slurm.data")
+    + ("ddp_slurm.export",)
     + COMPATIBILITY,
     ("ddp_slurm.tools",),
     ("ddp_slurm.train", "ddp_slurm.tasks"),

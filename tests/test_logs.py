@@ -230,3 +230,25 @@ def test_collective_failure_is_recognised():
 
 def test_duration_format():
     assert [logs._duration(s) for s in (0, 42.4, 185, 7620)] == ["0s", "42s", "3m05s", "2h07m"]
+
+
+def test_one_rank_on_one_host_is_said_in_the_singular(caplog) -> None:
+    """The placement line of a 1-rank run said "(1 ranks, 1 hosts)"; a 2-rank run "(2 ranks, 1 hosts)"."""
+    from ddp_slurm import text
+    from ddp_slurm.distributed.env import DistEnv
+    from ddp_slurm.train import window
+
+    env = DistEnv.from_environ({})
+    with caplog.at_level("INFO", logger=window.log.name):
+        window.log_placement(env, None)
+    assert f"ranks by host (1 rank, 1 host): {socket.gethostname()}: 0" in caplog.text, caplog.text
+    assert [text.counted(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
+
+
+def test_a_metric_is_shown_as_a_percentage_only_when_it_is_a_fraction() -> None:
+    """The default: names containing ``accuracy`` are fractions (x100, %); a task declaring
+    ``percent_metrics`` decides (a task returning percentages declares ``()`` and saw ``9750.00%`` before)."""
+    assert logs.metric("accuracy", 0.975) == "accuracy 97.50%"
+    assert logs.metric("mse", 0.0123) == "mse 0.0123"
+    assert logs.metric("accuracy", 97.5, ()) == "accuracy 97.5"
+    assert logs.metric("top5", 0.5, ("top5",)) == "top5 50.00%"

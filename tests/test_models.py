@@ -84,3 +84,30 @@ def test_forward_backward_on_real_batch(name: str) -> None:
         losses.append(loss.item())
     assert all(p.grad is not None for p in model.parameters())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", models.MODELS)
+def test_ddp_steps_of_each_model_warn_nothing(tmp_path, name: str) -> None:
+    """The first lines a newcomer sees: DDP as the runtime wraps a model (buckets settled, gradients as bucket
+    views) warns nothing in its steps. The cnn's 1-channel stem weight in channels_last strides got gradients
+    with NCHW strides, and every run printed PyTorch's "Grad strides do not match bucket view strides"."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from ddp_slurm.train import ddp
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = models.build(name)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            wrapped = ddp.wrap_ddp(model, torch.device("cpu"), world_size=2, settle=True)  # 2: wraps on one rank
+            for _ in range(2):
+                wrapped(torch.randn(4, 1, 28, 28)).sum().backward()
+        assert not [str(w.message) for w in seen]
+        mismatched = {n: p.stride() for n, p in model.named_parameters() if p.stride() != p.grad.stride()}
+        assert not mismatched, mismatched
+    finally:
+        dist.destroy_process_group()

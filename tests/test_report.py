@@ -141,3 +141,67 @@ def test_report_needs_a_run_directory(tmp_path):
     res = report(tmp_path / "nope", tmp_path)
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "metrics.jsonl does not exist" in res.stderr
+
+
+def test_report_shows_metrics_as_the_task_declared_them(tmp_path: Path) -> None:
+    """A task declaring ``percent_metrics = ()`` (its accuracy is already in percent): the report reads the
+    declaration from the start line and shows ``97.5``, not ``9750.00%``; a file without it keeps the default."""
+    from ddp_slurm.tools import history, report
+
+    run_dir = tmp_path / "pct"
+    run_dir.mkdir()
+    start = {"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0, "best_metric": "accuracy"}
+    rows = [
+        {**start, "higher_is_better": True, "percent_metrics": []},
+        {"kind": "eval", "step": 10, "epoch": 0, "time_s": 1.0, "accuracy": 97.5, "test_samples": 100},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report.summary(history.read_history(run_dir))
+    assert "final 97.5 " in text and "%" not in text, text
+    rows[0].pop("percent_metrics")
+    rows[1]["accuracy"] = 0.975
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "final 97.50% " in report.summary(history.read_history(run_dir))
+
+
+def test_report_of_a_stopped_run_names_the_command_that_resumes_it(tmp_path: Path) -> None:
+    from ddp_slurm.tools import history, report
+
+    run_dir = tmp_path / "stopped"
+    run_dir.mkdir()
+    rows = [
+        {"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0, "world_size": 2},
+        {"kind": "stop", "step": 40, "epoch": 0, "time_s": 3.0, "requeue": True},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report.summary(history.read_history(run_dir))
+    assert f"stopped on a signal at step 40 (resume: ddp-slurm resume {run_dir})" in text, text
+
+
+def test_an_early_stop_and_the_best_evaluation_are_shown(tmp_path: Path) -> None:
+    """A run that early stopping ended: the summary says so and why, the plot marks the best evaluation (the
+    best checkpoint's) and the early stop, and a sweep's table shows it instead of plain 'finished'."""
+    from ddp_slurm.launch import sweep
+    from ddp_slurm.tools import figures, history, report
+
+    run_dir = tmp_path / "early"
+    run_dir.mkdir()
+    at = {"epoch": 0, "time_s": 1.0}
+    why = "no improvement of mse by more than eval.min_delta=0 in 2 evaluations"
+    rows = [
+        {"kind": "start", "step": 0, **at, "best_metric": "mse", "higher_is_better": False},
+        *({"kind": "train", "step": s, **at, "loss": 1.0 / s} for s in (2, 4, 6, 8, 10, 12)),
+        *({"kind": "eval", "step": s, **at, "mse": v, "test_samples": 100} for s, v in ((4, 0.5), (8, 0.2), (12, 0.3))),
+        {"kind": "early_stop", "step": 12, **at, "reason": why, "best": 0.2, "best_step": 8},
+        {"kind": "end", "step": 12, **at},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = history.read_history(run_dir)
+    text = report.summary(run)
+    assert f"stopped early at step 12 ({why})" in text and "best 0.2 (step 8; lower is better)" in text, text
+    fig = figures.build_run(run, "early")
+    labels = {line.get_label() for ax in fig.axes for line in ax.get_lines()}
+    assert {"best (step 8)", "early stop"} <= labels, labels
+    summary = sweep.summarize(run_dir)
+    assert (summary.status, summary.early_stop, summary.best) == ("finished", 12, 0.2)
+    assert "stopped early at 12" in sweep.format_table([summary])

@@ -15,6 +15,7 @@ Windows are hit without hooks in the product:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,9 +30,12 @@ from typing import Any
 
 import helpers
 import pytest
+import tasks_helpers
 import torch
 from conftest import Launcher, base_env
 
+import ddp_slurm
+from ddp_slurm.tools import history, report
 from ddp_slurm.train import checkpoint, metrics
 
 RUN_NAME = "r"
@@ -57,6 +61,21 @@ CNN = [
     "checkpoint.every_steps=10",
     "checkpoint.keep=100",
     f"run.name={RUN_NAME}",
+]
+# eval.every_steps: evaluations at steps 25, 50, 75 of each epoch besides its end (78, 156, 234)
+EVAL_MLP = [*MLP, "eval.every_steps=25"]
+# The Line task made slow (tasks_helpers.SLOW_LINE_TASK): 8 steps per epoch, an evaluation every 4 steps of
+# 100 samples in batches of 10 per rank, each evaluation batch sleeping (a long evaluation).
+SLOW_LINE = [*tasks_helpers.SLOW_LINE_RUN, "slow.eval_log=evals.log", "checkpoint.keep=100", f"run.name={RUN_NAME}"]
+LONG_EVAL = [*SLOW_LINE, "train.epochs=3", "slow.eval_sleep_s=0.3"]  # 24 steps, 6 evaluations of 1.5-3 s
+# Early stopping: the reference run stops at an evaluation near step 80 of 160 (patience 3)
+EARLY = [
+    *SLOW_LINE,
+    "train.epochs=20",
+    "slow.train_sleep_s=0.05",
+    "slow.eval_sleep_s=0.1",
+    "eval.patience=3",
+    "eval.min_delta=1e-5",
 ]
 EXIT_STOPPED = 75
 TIMEOUT_S = 900.0  # per launch; the machine may be shared and slow, never a timing assertion
@@ -239,7 +258,8 @@ def assert_stopped(launch: Launch) -> dict[str, Any]:
     state = checkpoint.load_latest(launch.run_dir)
     assert state is not None
     assert (state["step"], state["epoch"], state["finished"]) == (stop["step"], stop["epoch"], False)
-    assert (launch.run_dir / "checkpoints" / f"step-{stop['step']}.pt").exists()
+    folder = launch.run_dir / "checkpoints"
+    assert (folder / f"step-{stop['step']}.pt").exists() or (folder / f"step-{stop['step']}").is_dir()
     assert not [p for p in (launch.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     return stop
 
@@ -269,9 +289,19 @@ class References:
 
     def run_dir(self, name: str) -> Path:
         if name not in self._done:
-            overrides, ws = {"mlp-1": (MLP, 1), "mlp-2": (MLP, 2), "cnn-1": (CNN, 1)}[name]
+            overrides, ws = {
+                "mlp-1": (MLP, 1),
+                "mlp-2": (MLP, 2),
+                "cnn-1": (CNN, 1),
+                "mlp-eval-1": (EVAL_MLP, 1),
+                "long-eval-1": (LONG_EVAL, 1),
+                "long-eval-2": (LONG_EVAL, 2),
+                "long-eval-fsdp-2": ([*LONG_EVAL, "dist.strategy=fsdp"], 2),
+                "early-2": (EARLY, 2),
+            }[name]
             cwd = self.root / name
             cwd.mkdir()
+            tasks_helpers.write_slow_line_task(cwd)
             started: list[Launch] = []
             try:
                 launch = run_to_end(started, cwd, ws, overrides)
@@ -373,9 +403,9 @@ def test_signal_before_the_first_step(references: References, launches: list[Lau
 
 
 def test_signal_during_evaluation(references: References, launches: list[Launch], tmp_path: Path) -> None:
-    """A signal that arrives while the epoch-end evaluation runs: the evaluation completes and is
-    logged, the epoch-end checkpoint is the stop checkpoint, exit 75; the relaunch is exact (CNN,
-    with BatchNorm buffers)."""
+    """A signal that arrives while the epoch-end evaluation runs: the evaluation is abandoned (no ``eval``
+    line), the epoch's last step is the stop checkpoint, still due its evaluation, exit 75; the relaunch
+    evaluates it first and is exact (CNN, with BatchNorm buffers)."""
     reference = references.final("cnn-1")
     first = start(launches, tmp_path, 1, CNN)
     first.wait_until_catching(signal.SIGUSR2)
@@ -394,15 +424,15 @@ def test_signal_during_evaluation(references: References, launches: list[Launch]
     finally:
         os.kill(pid, signal.SIGCONT)
     stop = assert_stopped(first)
-    assert stop["step"] == CNN_EPOCH and stop["epoch"] == 1
+    assert stop["step"] == CNN_EPOCH and stop["epoch"] == 0  # the epoch ends once its evaluation is done
     kinds = [(r["kind"], r["step"]) for r in first.rows() if r["kind"] != "train"]
-    assert kinds == [("start", 0), ("eval", CNN_EPOCH), ("stop", CNN_EPOCH)], kinds
+    assert kinds == [("start", 0), ("stop", CNN_EPOCH)], kinds
     state = checkpoint.load_latest(first.run_dir)
-    assert state["step_in_epoch"] == 0 and state["best"] > 0
+    assert state["step_in_epoch"] == CNN_EPOCH and state["best"] is None and state["evaluated"] == 0
 
     second = run_to_end(launches, tmp_path, 1, CNN)
     assert_resumed_from(second, CNN_EPOCH)
-    assert [(r["kind"], r["step"]) for r in second.rows() if r["kind"] == "eval"] == [("eval", 45)]
+    assert [(r["kind"], r["step"]) for r in second.rows() if r["kind"] == "eval"] == [("eval", CNN_EPOCH), ("eval", 45)]
     assert_bit_identical(first.run_dir, reference)
 
 
@@ -553,3 +583,254 @@ def test_resume_command_reuses_the_run_config_and_refuses_what_a_resume_cannot_t
     assert "runs/nothing is not a run directory (no config.yaml in it)" in missing.stderr
     bare = launcher.run([*ddp_slurm, "resume"])
     assert bare.returncode == 2 and bare.stderr.count("\n") == 1 and "RUN_DIR" in bare.stderr, bare.stderr
+
+
+# --------------------------------------------------------------------------- evaluations (issue 31)
+def _evals(run_dir: Path, *fields: str) -> list[tuple[Any, ...]]:
+    return [
+        tuple(r[f] for f in ("step", *fields)) for r in metrics.read(run_dir / "metrics.jsonl") if r["kind"] == "eval"
+    ]
+
+
+def _assert_same_end_state(run_dir: Path, reference_dir: Path) -> None:
+    """Model, optimizer, position and every rank's RNG streams of the final checkpoints are the same."""
+    reference = checkpoint.load_latest(reference_dir)
+    assert_bit_identical(run_dir, reference)
+    state = checkpoint.load_latest(run_dir)
+    where = ("step", "epoch", "step_in_epoch", "best", "best_step", "stale", "evaluated")
+    assert {k: state[k] for k in where} == {k: reference[k] for k in where}
+    assert len(state["rng"]) == len(reference["rng"])
+    for ours, theirs in zip(state["rng"], reference["rng"]):
+        assert ours["python"] == theirs["python"] and torch.equal(ours["torch"], theirs["torch"])
+
+
+def _eval_lines(cwd: Path) -> list[tuple[float, str]]:
+    """(time, rank) of every evaluation batch the slow task began, in order."""
+    path = cwd / "evals.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(float(t), rank) for t, rank, _ in (line.split() for line in lines)]
+
+
+def test_evaluation_every_steps_and_a_mid_epoch_resume_stay_exact(
+    references: References, launches: list[Launch], tmp_path: Path
+) -> None:
+    """``eval.every_steps=25``: evaluations mid-epoch and at each epoch's end, every test sample counted;
+    stopped mid-epoch after a mid-epoch evaluation and resumed, the run ends with the same model,
+    optimizer, position and RNG streams, and the same evaluation lines, as the run left alone."""
+    reference_dir = references.run_dir("mlp-eval-1")
+    expected = sorted({*range(25, MLP_TOTAL + 1, 25), *range(STEPS_PER_EPOCH, MLP_TOTAL + 1, STEPS_PER_EPOCH)})
+    assert [s for s, _ in _evals(reference_dir, "test_samples")] == expected
+    assert {n for _, n in _evals(reference_dir, "test_samples")} == {5000}
+
+    first = start(launches, tmp_path, 1, EVAL_MLP)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row("the evaluation at step 25", lambda r: r["kind"] == "eval" and r["step"] == 25)
+    first.wait_for_row("training past step 30", lambda r: r["kind"] == "train" and r["step"] >= 30)
+    first.signal(0, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    assert 30 <= stop["step"] < STEPS_PER_EPOCH, stop
+
+    second = run_to_end(launches, tmp_path, 1, EVAL_MLP)
+    assert_resumed_from(second, stop["step"])
+    _assert_same_end_state(first.run_dir, reference_dir)
+    assert _evals(first.run_dir, "accuracy", "loss") == _evals(reference_dir, "accuracy", "loss")
+
+
+@pytest.mark.parametrize("world_size, during, strategy", [(1, 8, "ddp"), (2, 12, "ddp"), (2, 12, "fsdp")])
+def test_a_stop_inside_a_long_evaluation_abandons_it_and_the_resume_redoes_it(
+    references: References, launches: list[Launch], tmp_path: Path, world_size: int, during: int, strategy: str
+) -> None:
+    """USR2 while an evaluation runs (each of its batches sleeps 0.3 s): the evaluation is abandoned at the
+    next batch on every rank, no ``eval`` line is written for it, the step is checkpointed and every rank
+    exits 75. The relaunch evaluates that step first; its evaluation lines and final weights equal the run
+    left alone. With 1 rank the evaluation at an epoch's end (step 8), with 2 ranks one mid-epoch (step 12),
+    under ddp and under fsdp (whose ranks run padded batches: every forward is a collective)."""
+    reference_dir = references.run_dir(f"long-eval-{world_size}" if strategy == "ddp" else "long-eval-fsdp-2")
+    overrides = [*LONG_EVAL, f"dist.strategy={strategy}"]
+    tasks_helpers.write_slow_line_task(tmp_path)
+    per_eval = 10  # batches of 10 over 100 samples, all ranks together
+    first = start(launches, tmp_path, world_size, overrides)
+    first.wait_until_catching(signal.SIGUSR2)
+    before = (during // 4 - 1) * per_eval  # the batches of the evaluations before the one to interrupt
+    first.wait_for("the evaluation to be under way", lambda: len(_eval_lines(tmp_path)) >= before + world_size + 1)
+    sent = time.time()
+    first.signal(world_size - 1, signal.SIGUSR2)
+    stop = assert_stopped(first)
+    late = [line for line in _eval_lines(tmp_path) if line[0] > sent]
+    assert len(late) <= world_size, f"evaluation batches begun after the signal: {late}"
+    assert stop["step"] == during and during not in [s for (s,) in _evals(first.run_dir)], first.rows()
+    assert "evaluation abandoned on a stop signal" in first.log_text()
+    assert checkpoint.load_latest(first.run_dir)["evaluated"] < during
+
+    second = run_to_end(launches, tmp_path, world_size, overrides)
+    assert_resumed_from(second, during)
+    assert second.rows()[1]["kind"] == "eval" and second.rows()[1]["step"] == during, second.rows()[:3]
+    assert _evals(first.run_dir, "mse", "test_samples") == _evals(reference_dir, "mse", "test_samples")
+    _assert_same_end_state(first.run_dir, reference_dir)
+
+
+def test_early_stopping_survives_three_interruptions(
+    references: References, launches: list[Launch], tmp_path: Path
+) -> None:
+    """``eval.patience=3``: two ranks stopped three times at different moments (USR2 in training, USR2 to
+    rank 1 as soon as the relaunch evaluates, SIGTERM to rank 0 later) stop early at the same evaluation,
+    with the same best value and weights, as the run left alone; the early stop ends the job 0 with an
+    ``early_stop`` line, and launching again does nothing."""
+    reference_dir = references.run_dir("early-2")
+    ref_rows = list(metrics.read(reference_dir / "metrics.jsonl"))
+    ref_stop = [r for r in ref_rows if r["kind"] == "early_stop"]
+    assert len(ref_stop) == 1 and ref_rows[-1]["kind"] == "end" and ref_rows[-1]["step"] == ref_stop[0]["step"]
+    assert ref_stop[0]["step"] >= 40, ref_stop  # late enough for three interruptions before it
+
+    tasks_helpers.write_slow_line_task(tmp_path)
+    resumed_at, stops = 0, []
+    for rank, sig, moment in [(1, signal.SIGUSR2, "train"), (1, signal.SIGUSR2, "eval"), (0, signal.SIGTERM, "train")]:
+        launch = start(launches, tmp_path, 2, EARLY)
+        launch.wait_until_catching(sig, ranks=[rank])
+        if moment == "train":
+            launch.wait_for_row(
+                "six more steps", lambda r: r["kind"] == "train" and r["step"] >= resumed_at + 6, poll_s=0.01
+            )
+        else:
+            seen = len(_eval_lines(tmp_path))
+            launch.wait_for("an evaluation under way", lambda: len(_eval_lines(tmp_path)) >= seen + 2, poll_s=0.001)
+        launch.signal(rank, sig)
+        stop = assert_stopped(launch)
+        if stops:
+            assert_resumed_from(launch, resumed_at)
+        if moment == "eval":
+            assert "evaluation abandoned on a stop signal" in launch.log_text(), launch.log_text()[-3000:]
+        stops.append(stop["step"])
+        resumed_at = stop["step"]
+    assert stops == sorted(stops) and stops[-1] < ref_stop[0]["step"], (stops, ref_stop)
+
+    last = run_to_end(launches, tmp_path, 2, EARLY)
+    early = [r for r in last.rows() if r["kind"] == "early_stop"]
+    assert len(early) == 1 and last.rows()[-1]["kind"] == "end"
+    assert {k: early[0][k] for k in ("step", "best", "best_step")} == {
+        k: ref_stop[0][k] for k in ("step", "best", "best_step")
+    }
+    assert "early stop at step" in last.log_text()
+    _assert_same_end_state(last.run_dir, reference_dir)
+    again = run_to_end(launches, tmp_path, 2, EARLY, trains=False)
+    assert "already finished" in again.log_text() and again.rows() == []
+
+
+@pytest.mark.parametrize("strategy, world_size", [("ddp", 1), ("fsdp", 2)])
+def test_the_best_checkpoint_survives_keep_1(
+    references: References, launches: list[Launch], tmp_path: Path, strategy: str, world_size: int
+) -> None:
+    """``checkpoint.keep=1``: the run ends with its last checkpoint and, beside it, the one at the best
+    value of the task's metric, named in the run directory's ``best``; ``run.init_from=<run dir>/best``
+    starts a new run from it (read through the gate like any checkpoint)."""
+    tasks_helpers.write_slow_line_task(tmp_path)
+    fast = [*EARLY, "slow.train_sleep_s=0", "slow.eval_sleep_s=0", "slow.eval_log=null", "checkpoint.keep=1"]
+    launch = run_to_end(launches, tmp_path, world_size, [*fast, f"dist.strategy={strategy}"])
+    rows = launch.rows()
+    early, end = [r for r in rows if r["kind"] == "early_stop"], rows[-1]
+    best_step = early[0]["best_step"]
+    assert best_step < end["step"], "the best must be older than the last checkpoint for this test"
+    assert min(r["mse"] for r in rows if r["kind"] == "eval") == early[0]["best"]
+    suffix = ".pt" if strategy == "ddp" else ""
+    names = sorted(p.name for p in (launch.run_dir / "checkpoints").iterdir())
+    assert names == sorted({f"step-{best_step}{suffix}", f"step-{end['step']}{suffix}"}), names
+    assert (launch.run_dir / "best").read_text() == f"step-{best_step}{suffix}\n"
+    shown = report.summary(history.read_history(launch.run_dir))
+    assert f"stopped early at step {end['step']} (no improvement of mse" in shown, shown
+    assert f"(step {best_step}; lower is better)" in shown, shown
+
+    run_to_end(  # a warm start from the best: the same checkpoint, whichever strategy wrote it, read by ddp
+        launches,
+        tmp_path,
+        1,
+        [*fast, "run.name=warm", f"run.init_from={launch.run_dir / 'best'}", "train.epochs=1"],
+        trains=False,
+    )
+    start_row = next(r for r in metrics.read(tmp_path / "runs" / "warm" / "metrics.jsonl") if r["kind"] == "start")
+    assert start_row["init_step"] == best_step, start_row
+
+    # Exported for inference (gathered from the shards under fsdp), loaded back into the task's model and
+    # evaluated by hand: the run's best value.
+    out = tmp_path / "exported"
+    res = export(tmp_path, launch.run_dir, "--best", out)
+    assert res.returncode == 0 and f"(step {best_step}; mse=" in res.stdout, res.stderr
+    about = json.loads((out / "export.json").read_text())
+    assert (about["step"], about["strategy"], about["evaluation"]["mse"]) == (best_step, strategy, early[0]["best"])
+    model, task = ddp_slurm.load_model(out, with_task=True)
+    x, y = task.eval_data().tensors
+    with torch.no_grad():
+        assert task.eval_step(model, (x, y))["mse"].item() / len(x) == pytest.approx(early[0]["best"], rel=1e-5)
+    again = export(tmp_path, launch.run_dir, "--best", out)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "exists" in again.stderr
+
+
+def export(cwd: Path, *args: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.export", *map(str, args)],
+        cwd=cwd,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _started(run_dir: Path, *starts: dict[str, Any]) -> Path:
+    run_dir.mkdir(parents=True)
+    lines = [{"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0, "job_id": None, **s} for s in starts]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
+    return run_dir
+
+
+def test_resume_keeps_the_world_size_of_the_run_s_last_launch_unless_told(tmp_path: Path) -> None:
+    """``ddp-slurm resume`` as a plain process: the last launch's world size, not 1 (a 2-rank run brought back at
+    1 rank loses bit-identity); ``--nproc-per-node`` chooses; a run of a Slurm job or a forged size is one line."""
+    from ddp_slurm import resume
+
+    two = _started(tmp_path / "two", {"world_size": 1}, {"world_size": 2, "step": 40})
+    assert resume.world_size(two, None) == 2 and resume.world_size(two, 1) == 1
+    assert resume.launcher_argv(two, 2, ["log.csv=true"])[2:] == [
+        "ddp_slurm.launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ddp_slurm.resume",
+        str(two),
+        "log.csv=true",
+    ]
+    assert resume.world_size(tmp_path / "never", None) == 1  # no metrics: nothing trained yet
+    slurm = _started(tmp_path / "slurm", {"world_size": 16, "job_id": "123"})
+    with pytest.raises(ValueError, match=r"world size 16 in a Slurm job: resubmit it .* --nproc-per-node N"):
+        resume.world_size(slurm, None)
+    assert resume.world_size(slurm, 4) == 4
+    forged = _started(tmp_path / "forged", {"world_size": 10**6})
+    with pytest.raises(ValueError, match="says world size 1000000; pass --nproc-per-node N"):
+        resume.world_size(forged, None)
+
+
+def test_resume_under_a_launcher_is_one_rank_and_never_relaunches() -> None:
+    from ddp_slurm import resume
+
+    assert not resume.one_rank_of_a_launch({})
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    torchrun |= {"MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+    assert resume.one_rank_of_a_launch(torchrun)
+
+
+def test_resume_s_rank_count_flag_is_checked_in_one_line(launcher) -> None:
+    res = launcher.run([sys.executable, "-m", "ddp_slurm.resume", "--nproc-per-node", "0", "runs/x"])
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "from 1 to 1024, got '0'" in res.stderr, res.stderr
+    launcher.run(launcher.cmd_train("model.name=mlp", "train.max_steps=1", "run.name=one"), check=True)
+    env = base_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="localhost")
+    env["MASTER_PORT"] = "29500"
+    ranked = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.resume", "--nproc-per-node", "2", "runs/one"],
+        cwd=launcher.cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ranked.returncode == 2 and ranked.stderr.count("\n") == 1, ranked.stderr
+    assert "already one rank of a launch" in ranked.stderr  # never silently ignored

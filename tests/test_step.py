@@ -5,16 +5,12 @@ The 2-rank tests run real processes joined over gloo.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import helpers
 import pytest
 import torch
-from conftest import base_env
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_slurm.tasks.mnist import data, models
@@ -228,27 +224,7 @@ def test_two_ranks_agree_at_the_same_step_and_evaluate_rank_zeros_model(tmp_path
     script = tmp_path / "two.py"
     script.write_text(TWO_RANKS)
     weights = tmp_path / "rank0.pt"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(script),
-                str(rank),
-                str(tmp_path / "store"),
-                str(tmp_path / f"out{rank}.json"),
-                str(weights),
-            ],
-            env=base_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output
-    r0, r1 = (json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2))
+    r0, r1 = helpers.two_ranks(script, tmp_path, str(weights))
 
     assert r0["seen"] == r1["seen"]  # every rank reads the same flags after the same step
     requeue = [s[0] for s in r0["seen"]]
@@ -280,3 +256,50 @@ def test_small_models_get_two_buckets_large_ones_ddps_defaults() -> None:
     assert bucket_cap_mb(torch.nn.Linear(1024, 1024)) is None  # 4 MiB: DDP already splits it
     frozen = torch.nn.Linear(4, 4).requires_grad_(False)
     assert bucket_cap_mb(frozen) is None
+
+
+EVAL_VOTE = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from ddp_slurm.train import step
+    from ddp_slurm.train.evaluation import EvalVote
+    from ddp_slurm.train.signals import StopFlag
+
+    rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    model = nn.Linear(1, 1)
+    results = {}
+    for case, stop_at in (("whole", None), ("stopped", 2)):
+        stop, ran = StopFlag(), []
+        vote = EvalVote(stop, 2, torch.device("cpu"), None)
+
+        def metrics_of(model, batch, stop=stop, ran=ran):
+            ran.append(len(batch[0]))
+            if rank == 1 and len(ran) == stop_at:
+                stop.requeue_requested = True  # the signal reaches rank 1 only, during its second batch
+            return {"one": torch.ones(len(batch[0]))}
+
+        sizes = [4, 4, 2] if rank == 0 else [4, 4, 4, 4, 1]  # unequal shards: 3 batches and 5
+        batches = [(torch.zeros(n, 1),) for n in sizes]
+        found = step.evaluate(model, batches, metrics_of, torch.device("cpu"), 2, vote=vote)
+        results[case] = {"found": found, "ran": ran, "requeue": vote.requeue}
+    with open(out, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_the_evaluation_vote_keeps_ranks_with_unequal_shards_together(tmp_path: Path) -> None:
+    """``EvalVote``: ranks with 3 and 5 evaluation batches count every sample once; a stop on one rank
+    abandons the evaluation on both at the same batch, the rank that took the signal finishing none after it."""
+    script = tmp_path / "vote.py"
+    script.write_text(EVAL_VOTE)
+    r0, r1 = helpers.two_ranks(script, tmp_path)
+    assert r0["whole"]["found"] == r1["whole"]["found"] == [{"one": 1.0}, 27]
+    assert r0["whole"]["ran"] == [4, 4, 2] and r1["whole"]["ran"] == [4, 4, 4, 4, 1]
+    assert r0["stopped"]["found"] is None and r1["stopped"]["found"] is None
+    assert r0["stopped"]["ran"] == [4, 4] and r1["stopped"]["ran"] == [4, 4]  # both stopped before batch 3
+    assert r0["stopped"]["requeue"] and r1["stopped"]["requeue"]

@@ -294,3 +294,26 @@ def test_local_sweep_makes_one_run_per_value_and_a_summary(launcher: Launcher) -
     best = [float(r[5].rstrip("%")) for r in rows]
     assert best == sorted(best, reverse=True), summary  # ranked: the best accuracy first
     assert summary in res.stdout  # --wait ends with the same table
+
+
+def test_dry_run_warns_of_misfits_one_line_each_before_a_user_queues(launcher: Launcher) -> None:
+    """16 GPUs at 4 samples each, a Dataset task's loader workers on too few CPUs, no partition, account or
+    memory: one ``# warning:`` line each on stderr; a job that fits gets none."""
+
+    def warned(*args: str) -> list[str]:
+        res = launcher.run(SUBMIT + ["--dry-run", *args], check=True)
+        assert "warning" not in res.stdout  # stdout: the script alone
+        return [line for line in res.stderr.splitlines() if line.startswith("# warning:")]
+
+    small = warned("--nodes", "4", "--gpus-per-node", "4", "train.global_batch_size=64")
+    assert any("16 GPU ranks share train.global_batch_size=64: 4 samples per GPU per step" in w for w in small), small
+    assert any("raise train.global_batch_size to 256 or more" in w for w in small)
+    for key in ("partition", "account", "mem"):
+        assert sum(f"no slurm.{key} set" in w for w in small) == 1, small
+    (launcher.cwd / "line_task.py").write_text("")  # a dry run imports no task: the name is enough
+    cpus = warned("--nodes", "1", "--cpus-per-task", "2", "task=line_task.py:Line", "train.workers=2")
+    assert any("slurm.cpus_per_task=2 per rank" in w and "--cpus-per-task 3 or more" in w for w in cpus), cpus
+    fits = ["--partition", "gpu", "--account", "lab", "--mem", "64G", "--gpus-per-node", "4"]
+    assert warned("--nodes", "2", *fits, "--cpus-per-task", "8", "train.global_batch_size=512") == []
+    mnist = warned("--nodes", "1", *fits, "--cpus-per-task", "2", "train.global_batch_size=512")
+    assert mnist == []  # the built-in task keeps its data in memory: no loader workers to feed

@@ -135,11 +135,33 @@ def test_minimal_task_trains_through_python_and_torchrun(
     (tmp_path / "my_project").mkdir()
     (tmp_path / "my_project" / "tasks.py").write_text((tmp_path / "line_task.py").read_text())
     launch = run_to_end(launches, tmp_path, world_size, [f"task={task}", *LINE_RUN, f"run.name={RUN_NAME}"])
-    assert f"task: {task}" in (launch.run_dir / "config.yaml").read_text()
+    recorded = f"{tmp_path / task}" if task.endswith(".py:Line") else task  # a file by its absolute path
+    assert f"task: {recorded}\n" in (launch.run_dir / "config.yaml").read_text()
     evals = [r for r in launch.rows() if r["kind"] == "eval"]
     assert len(evals) == 3 and evals[-1]["test_samples"] == 100 and evals[-1]["mse"] < 0.1, evals
     assert launch.rows()[-1]["best_mse"] == min(r["mse"] for r in evals)
     assert_line_learned(launch.run_dir, world_size)
+
+
+def test_a_relative_task_file_is_recorded_absolute_and_resumes_from_anywhere(tmp_path: Path) -> None:
+    """``task=line_task.py:Line`` typed in the project folder: config.yaml names the file by its absolute path,
+    so ``ddp-slurm resume`` finds it from another working directory (it was "file not found", exit 2)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    write_line_task(project)
+    made = Launcher(project).run(
+        Launcher(project).cmd_train("task=line_task.py:Line", *LINE_RUN, "train.max_steps=4", "run.name=rel"),
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    assert f"task: {project / 'line_task.py'}:Line\n" in (project / "runs/rel/config.yaml").read_text()
+    again = Launcher(tmp_path).run([sys.executable, "-m", "ddp_slurm", "resume", "project/runs/rel"], timeout=300)
+    assert again.returncode == 0 and "already finished at step 4" in again.stderr, again.stderr
+    same = Launcher(project).run(  # the same relative path typed again in the project folder: the same run
+        Launcher(project).cmd_train("task=line_task.py:Line", *LINE_RUN, "train.max_steps=4", "run.name=rel"),
+        timeout=300,
+    )
+    assert same.returncode == 0 and "already finished at step 4" in same.stderr, same.stderr
 
 
 API = """
@@ -313,3 +335,20 @@ def test_example_data_is_generated_once_deterministic_and_atomic(tmp_path: Path)
     pairs = {tuple(r) for r in rows[:, :6].tolist()}
     assert len(pairs) == 550  # distinct pairs: the held-out ones are never trained on
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.u8", "b.u8"]
+
+
+def test_percent_metrics_must_be_a_tuple_of_names() -> None:
+    """A task's ``percent_metrics`` is checked when the task is chosen (exit 2, one line), not at the first log."""
+    from ddp_slurm import taskref
+    from ddp_slurm.tasks.mnist import MNIST
+
+    class Wrong(MNIST):
+        percent_metrics = "accuracy"  # a string, not a tuple: every letter would be a name
+
+    with pytest.raises(taskref.TaskError, match=r"Wrong.percent_metrics must be a tuple of metric names"):
+        taskref.validate_class(Wrong, "x.py:Wrong")
+
+    class Declared(MNIST):
+        percent_metrics = ()
+
+    assert taskref.validate_class(Declared, "x.py:Declared") is Declared

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,8 +65,9 @@ def test_usr2_to_the_agent_alone_reaches_the_workers(launcher, tmp_path):
 
 def test_ctrl_c_to_the_launcher_exits_75_and_the_run_resumes_with_its_own_config(launcher, tmp_path):
     """SIGINT (Ctrl-C) to the launcher: torchrun passes it on, the workers checkpoint and exit 75, and so
-    does the launcher, in one line instead of torchrun's ChildFailedError traceback. ``ddp_slurm.resume``
-    under the same launcher then finishes the run with the overrides it was started with."""
+    does the launcher, in one line instead of torchrun's ChildFailedError traceback. Rank 0's stop line names
+    the command that resumes; that command, typed as shown (no launcher), finishes the run with the overrides
+    it was started with and at the world size it had (2 ranks, not 1 with a warning)."""
     run_dir = tmp_path / "runs" / "int"
     overrides = ["model.name=mlp", "train.epochs=2", "train.lr=2e-3", "checkpoint.every_steps=20", "run.name=int"]
     proc = torchrun(launcher, "ddp_slurm.launch", *overrides)
@@ -75,12 +77,30 @@ def test_ctrl_c_to_the_launcher_exits_75_and_the_run_resumes_with_its_own_config
     assert proc.returncode == train.EXIT_STOPPED, out
     assert "interrupted: every worker stopped after a checkpoint; exit 75" in out
     assert "Traceback" not in out and "ChildFailedError" not in out
+    assert re.search(r"stopped on signal at step \d+ with a checkpoint; resume with: ddp-slurm resume runs/int", out)
     [stop] = [r for r in rows(run_dir) if r["kind"] == "stop"]
-    cmd = [sys.executable, "-m", "ddp_slurm.launch", "--standalone", "--nproc_per_node", "2"]
-    res = launcher.run([*cmd, "-m", "ddp_slurm.resume", "runs/int"])
+    res = launcher.run([sys.executable, "-m", "ddp_slurm", "resume", "runs/int"])
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "runs/int resumes with 2 local ranks" in res.stderr and "resuming at world size" not in res.stderr
     start = [r for r in rows(run_dir) if r["kind"] == "start"][-1]
-    assert start["resumed"] and start["step"] == stop["step"] and rows(run_dir)[-1]["kind"] == "end"
+    assert start["resumed"] and start["step"] == stop["step"] and start["world_size"] == 2
+    assert rows(run_dir)[-1]["kind"] == "end"
+
+
+def test_a_worker_failure_ends_in_one_line_with_the_worker_s_exit_code(launcher):
+    """A worker that fails (here a config error, exit 2): its own line, then one line from the launcher
+    naming the rank and the file with torchrun's full report, no traceback; the exit status is the worker's."""
+    proc = torchrun(launcher, "ddp_slurm.launch", "model.name=mlp", "train.epochz=3")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out and "ChildFailedError" not in out, out
+    last = out.splitlines()[-1]
+    assert re.search(r"launch \[.*\]: worker rank \d \(local rank \d, pid \d+\) exited 2: .*; exit 2", last), last
+    report = Path(re.search(r"full report: (\S+)\)$", last).group(1))
+    try:
+        assert "ChildFailedError" in report.read_text() and oct(report.stat().st_mode & 0o777) == "0o600"
+    finally:
+        report.unlink()
 
 
 def test_plain_torchrun_agent_dies_of_usr2(launcher, tmp_path):
@@ -183,3 +203,32 @@ def test_script_outside_slurm_says_to_use_sbatch(script, tmp_path):
         ["bash", str(script)], cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 2 and "submit it with `sbatch" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_runs_a_task_with_its_own_defaults_as_docs_tasks_says(script, tmp_path):
+    """docs/tasks.md and the scripts agree on which config a job reads: ``--config FILE``; else, with
+    ``task=...`` among the arguments, the task's own defaults (no YAML of its own needed); else jobs/mnist.yaml.
+    (srun here is a stand-in that prints what it would start.)"""
+    page = " ".join((REPO / "docs" / "tasks.md").read_text().split())
+    assert "else `task=...` among the arguments, that task's own defaults (no YAML needed" in page
+    assert "give your task its own YAML file" not in page
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")  # the torchrun script's head node
+    (bin_dir / "scontrol").chmod(0o755)
+    env = base_env(SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="node1")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env["DDP_SLURM_PYTHON"] = sys.executable
+
+    def started(*args: str) -> str:
+        res = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+        [line] = [x for x in res.stdout.splitlines() if x.startswith("srun ")]
+        return line
+
+    assert "--config" not in started("task=my_project.tasks:Digits", "train.epochs=5")
+    assert f"--config {REPO / 'jobs' / 'mnist.yaml'}" in started()
+    assert "--config mine.yaml" in started("--config", "mine.yaml", "train.epochs=5")

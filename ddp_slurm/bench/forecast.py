@@ -32,6 +32,7 @@ import torch
 from ddp_slurm import argtypes
 from ddp_slurm.bench import common, flags, forecast_saved
 from ddp_slurm.distributed.groups import Groups
+from ddp_slurm.text import counted
 from ddp_slurm.train.ddp import bucket_cap_mb
 
 DDP_FIRST_BUCKET = 1 << 20  # DDP's first bucket, then 25 MiB ones (torch's defaults)
@@ -259,13 +260,13 @@ def render(p: dict[str, Any]) -> str:
     if not p["forecast"]:
         return f"{head}\n  {p['note']}"
     notes = [
-        f"all-reduce measured over {m['world_size']} ranks on {m['nodes']} node(s): alpha {1e6 * m['alpha_s']:.0f} us, "
+        f"all-reduce measured over {counted(m['world_size'], 'rank')} on {m['nodes']} node(s): alpha {1e6 * m['alpha_s']:.0f} us, "
         f"bandwidth {1 / m['beta_s_per_byte'] / 2**20 if m['beta_s_per_byte'] else math.inf:,.0f} MiB/s",
     ]
     if "check" in p:
         c = p["check"]
         notes.append(
-            f"at the measured {c['world_size']} ranks: predicted {1e3 * c['predicted_s']:.1f} ms, measured "
+            f"at the measured {counted(c['world_size'], 'rank')}: predicted {1e3 * c['predicted_s']:.1f} ms, measured "
             f"{1e3 * c['measured_s']:.1f} ms ({100 * c['error']:+.0f}%)"
         )
     rows = [

@@ -262,7 +262,7 @@ def with_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
     for text in overrides:
         key, value = parse_override(text)
         if key == "task":
-            if value != cfg.task:
+            if not isinstance(value, str) or taskref.absolute(value) != cfg.task:
                 raise ConfigError(f"bad override {text!r}: the task is chosen once, for the whole submission")
             continue
         _apply(out, key, value, "the command line", text.partition("=")[2].strip())

@@ -11,10 +11,12 @@ imported already, and only when both name the same task; another task is one dif
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ddp_slurm import taskref
 from ddp_slurm.config import loading
 from ddp_slurm.config.files import _show
 from ddp_slurm.config.schema import RUNTIME_SECTIONS, Config, ConfigError, _fields, _keys
@@ -47,7 +49,7 @@ def incompatible_changes(old: Config, new: Config) -> list[str]:
     """Keys whose values differ in a way that would make a resumed run compute something else. ``old`` may be
     unresolved (read from a run): its task sections are then checked with ``new``'s task class (ConfigError
     when they do not fit it). Where ``new`` is unresolved too (a dry run), only the runtime's keys compare."""
-    if old.task != new.task:
+    if taskref.absolute(old.task) != taskref.absolute(new.task):  # a run made before files were recorded absolute
         return [f"task: {old.task!r} -> {new.task!r}"]
     if new.resolved:
         old = loading.checked_with(old, type(new.task_config))
@@ -61,9 +63,14 @@ def _flat(cfg: Config) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, body in cfg.to_dict().items() if s != "task" for k, v in body.items()}
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run in ``run_dir`` with its own config and world size (resume.py)."""
+    return f"ddp-slurm resume {shlex.quote(str(run_dir))}"
+
+
 def hint(run_dir: Path) -> str:
     """The two ways to relaunch with a run's own settings, for messages that refuse another config."""
-    return f"`ddp-slurm resume {run_dir}` or `--config {RunPaths(run_dir).config}` reuse them"
+    return f"`{resume_command(run_dir)}` or `--config {RunPaths(run_dir).config}` reuse them"
 
 
 def changed_config(run_dir: Path, diffs: list[str]) -> str:

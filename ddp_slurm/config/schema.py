@@ -181,12 +181,27 @@ class CheckpointConfig:
     every_steps: int = checked(100, check=lambda v: v >= 0, expected="an integer >= 0")
     """Steps between checkpoints (0: only at epoch ends, the end of training and on a stop signal)."""
     keep: int = checked(3, check=lambda v: v >= 1, expected="an integer >= 1")
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest checkpoints to keep; the best (the task's ``best_metric``) is kept beside them."""
     async_save: bool = checked(True, key="async")
     """``checkpoint.async`` (YAML key ``async``; ``async_save`` only in Python, where ``async`` is a
     keyword): rank 0 copies the state to host memory and a background thread writes it, so training
     pauses only for the copy. Stop signals, the end of training and exit wait for the write to be
     durable. Falls back to synchronous saving when a copy of the state would not fit in memory."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = checked(0, check=lambda v: v >= 0, expected="an integer >= 0")
+    """Steps between evaluations on the test set, besides the one at the end of each epoch (0: only there).
+    Every test sample is counted once at any world size; a stop signal is honoured at each evaluation batch.
+    An evaluation that improves the task's ``best_metric`` is followed by a checkpoint, kept beside the
+    ``checkpoint.keep`` newest and named in ``<run dir>/best``."""
+    patience: int | None = checked(None, check=lambda v: v is None or v >= 1, expected="null or an integer >= 1")
+    """Early stopping: end the run (exit 0, finished) after this many evaluations in a row that did not
+    improve the task's ``best_metric`` by more than ``eval.min_delta`` (null: never stop early). The count
+    and the best value are part of every checkpoint, so a requeued run stops where one left alone would."""
+    min_delta: float = checked(0.0, check=lambda v: v >= 0, expected="a number >= 0")
+    """How much an evaluation must beat the best value so far by to count as an improvement (early stopping)."""
 
 
 @dataclass
@@ -261,7 +276,7 @@ class SlurmConfig:
     """Cap on requeues (``SLURM_RESTART_COUNT``); beyond it the job stops with a message instead of looping."""
 
 
-RUNTIME_SECTIONS = ("run", "train", "checkpoint", "dist", "slurm", "log")
+RUNTIME_SECTIONS = ("run", "train", "eval", "checkpoint", "dist", "slurm", "log")
 """Sections every task shares; a task's own sections are the fields of its ``Config`` dataclass."""
 
 
@@ -283,6 +298,7 @@ class LogConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -296,6 +312,11 @@ class Config:
     def __post_init__(self) -> None:
         if self.task_config is None:  # asked for by the caller, in Python: the task's defaults need the task
             self.task_config = task_class(self.task).Config()
+        if not isinstance(self.task_config, Unchecked):
+            # A task file by its absolute path from here on (imported, above, as typed: messages show it so):
+            # the run directory's config.yaml then names it for a resume from anywhere. A config read back
+            # (Unchecked) keeps what it says; relaunch compares both sides made absolute.
+            self.task = taskref.absolute(self.task)
 
     @property
     def resolved(self) -> bool:

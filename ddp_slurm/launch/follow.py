@@ -162,7 +162,11 @@ def wait_for(
 def finished_message(result: dict[str, Any]) -> str:
     """One line from rank 0's result (``TrainJob``'s return value)."""
     name, final = result.get("metric"), result.get("final")
-    shown = f", final test {name} {'n/a' if final is None else tracked.show(name, final)}" if name else ""
+    shown = (
+        f", final test {name} {'n/a' if final is None else tracked.show(name, final, result.get('percent'))}"
+        if name
+        else ""
+    )
     return f"finished: {result['step']} steps{shown}; run directory {result['run_dir']}"
 
 

@@ -5,8 +5,12 @@ the files are the repository's ``sbatch/*.sh`` and ``jobs/*.yaml``, shipped insi
 ``ddp_slurm/assets/`` (copied there at build time by ``setup.py``). In a checkout or an editable
 install they are read from the top of the repository, so there is only ever one copy to edit.
 
-Exit status: 0 copied; 2 a file would be overwritten (without ``--force``) or DIR is not a
-directory: nothing copied.
+``--task SPEC`` (``my_project.tasks:Digits``, ``path/file.py:Digits``) also writes ``DIR/jobs/<task>.yaml``:
+that task's own sections and the runtime's, every key at its default under its explanation, headed by the
+sbatch lines that submit it. It imports the task named (the user's own, as training would).
+
+Exit status: 0 copied; 2 a file would be overwritten (without ``--force``), DIR is not a directory, or
+the task cannot be used: nothing copied.
 """
 
 from __future__ import annotations
@@ -46,6 +50,26 @@ def asset(relative: str) -> Path:
     return path
 
 
+def job_yaml(spec: str) -> tuple[str, str]:
+    """``(file name, text)`` of the job config for task ``spec``; ConfigError (one line) for a task that
+    cannot be used."""
+    from ddp_slurm import config
+    from ddp_slurm.config import doc
+
+    cfg = config.load(overrides=[f"task={spec}"])
+    name = f"{cfg.task.rpartition(':')[2].rpartition('.')[2].lower()}.yaml"
+    head = (
+        f"# Job config for task {cfg.task}, written by `ddp-slurm init --task`: every key at its default.\n"
+        "# Edit it (slurm.partition, slurm.account, slurm.mem and the task's sections first), then submit it\n"
+        "# from the directory holding jobs/ and sbatch/:\n"
+        f"#   python -m ddp_slurm.submit --config jobs/{name} --dry-run   # what it asks Slurm for, and warnings\n"
+        f"#   sbatch sbatch/mnist_4node.sh --config jobs/{name}           # one rank per GPU, started by srun\n"
+        f"#   sbatch sbatch/mnist_torchrun.sh --config jobs/{name}        # one torchrun agent per node\n"
+        "# (the scripts' #SBATCH lines ask for nodes and GPUs; `sbatch --nodes=2 ...` overrides them)\n"
+    )
+    return name, head + doc.render(cfg, explain=True)
+
+
 def plan(dest: Path) -> list[tuple[Path, Path]]:
     """(source, destination) of every file to copy."""
     return [
@@ -55,12 +79,15 @@ def plan(dest: Path) -> list[tuple[Path, Path]]:
     ]
 
 
-def init(dest: Path, force: bool = False) -> list[Path]:
-    """Copy the files into ``dest`` (created if needed); checks everything before writing anything."""
+def init(dest: Path, force: bool = False, task: str | None = None) -> list[Path]:
+    """Copy the files into ``dest`` (created if needed), and ``task``'s job config; checks everything (the
+    task included) before writing anything."""
     if dest.exists() and not dest.is_dir():
         raise InitError(f"{dest} exists and is not a directory: choose a directory")
     copies = plan(dest)
-    clash = [to for _, to in copies if to.exists()]
+    job = job_yaml(task) if task is not None else None
+    targets = [to for _, to in copies] + ([dest / "jobs" / job[0]] if job else [])
+    clash = [to for to in targets if to.exists()]
     if clash and not force:
         raise InitError(
             f"{clash[0]} exists (and {len(clash) - 1} more): pass --force to overwrite, or choose another DIR"
@@ -70,7 +97,9 @@ def init(dest: Path, force: bool = False) -> list[Path]:
         shutil.copy2(src, to)
         if to.suffix == ".sh":
             to.chmod(to.stat().st_mode | 0o111)
-    return [to for _, to in copies]
+    if job is not None:
+        (dest / "jobs" / job[0]).write_text(job[1])
+    return targets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,15 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("dir", type=Path, metavar="DIR", nargs="?", default=Path("."), help="default: here")
     parser.add_argument("--force", action="store_true", help="overwrite files that exist")
+    parser.add_argument(
+        "--task",
+        metavar="SPEC",
+        help="also write jobs/<task>.yaml for this task (package.module:Name or path/file.py:Name): its sections, "
+        "the runtime's, and the sbatch lines that submit it",
+    )
     args = parser.parse_args(argv)
     try:
-        written = init(args.dir, args.force)
-    except (InitError, OSError) as exc:
+        written = init(args.dir, args.force, args.task)
+    except (InitError, OSError, errors.UsageError) as exc:
         print(f"ddp-slurm init: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     for path in written:
         print(f"wrote {path}")
-    print(f"next: cd {args.dir} && sbatch sbatch/mnist_4node.sh   (edit the #SBATCH lines and jobs/mnist.yaml first)")
+    job = written[-1].name if args.task else "mnist.yaml"
+    submit = f"sbatch sbatch/mnist_4node.sh --config jobs/{job}" if args.task else "sbatch sbatch/mnist_4node.sh"
+    print(f"next: cd {args.dir} && {submit}   (edit the #SBATCH lines and jobs/{job} first)")
     return EXIT_OK
 
 

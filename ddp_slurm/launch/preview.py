@@ -20,6 +20,8 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from ddp_slurm import taskref
+
 if TYPE_CHECKING:
     from ddp_slurm.launch.plan import Plan
 
@@ -95,10 +97,52 @@ def summary(plan: Plan) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
+MIN_SAMPLES_PER_GPU = 16
+"""Below this per-rank batch a GPU spends each step mostly waiting: its compute is a few kernels, and the
+all-reduce of every gradient costs the same whatever the batch."""
+
+
+def misfit_warnings(plan: Plan) -> list[str]:
+    """One line per misfit a user would otherwise learn about after waiting in the queue: a per-GPU batch
+    too small to keep a GPU busy, fewer CPUs per rank than the data loader's workers need, and no
+    partition, account or memory asked for (the cluster's defaults then decide). The dry run imports no
+    task, so the dataset's size is not known here: training checks it against the batch before any work."""
+    s, train = plan.cfg.slurm, plan.cfg.train
+    world = s.nodes * plan.tasks_per_node
+    found = []
+    per_rank = train.global_batch_size // world if world else 0
+    if s.gpus_per_node and per_rank < MIN_SAMPLES_PER_GPU:
+        found.append(
+            f"warning: {world} GPU ranks share train.global_batch_size={train.global_batch_size}: {per_rank} "
+            f"samples per GPU per step, too few to keep a GPU busy (each step waits on an all-reduce of every "
+            f"gradient); raise train.global_batch_size to {MIN_SAMPLES_PER_GPU * world} or more, or ask for fewer GPUs"
+        )
+    # The built-in task keeps its data in memory (no loader workers); any other task may use a Dataset.
+    if plan.cfg.task != taskref.DEFAULT and train.workers and s.cpus_per_task < train.workers + 1:
+        found.append(
+            f"warning: slurm.cpus_per_task={s.cpus_per_task} per rank, but a task whose data is a Dataset runs "
+            f"train.workers={train.workers} loader processes beside each rank: ask for --cpus-per-task "
+            f"{train.workers + 1} or more, or set train.workers={max(s.cpus_per_task - 1, 0)}"
+        )
+    for key, flag, why in (
+        ("partition", "--partition", "the cluster's default partition (often a small or debug one)"),
+        ("account", "--account", "your default account (some clusters refuse a job without one)"),
+        ("mem", "--mem", "the partition's default memory per node (often a few GB)"),
+    ):
+        if not getattr(s, key):
+            found.append(f"warning: no slurm.{key} set: the job gets {why}; set {flag} if that is not what you want")
+    return found
+
+
+def warnings(plan: Plan) -> list[str]:
+    """Every warning about a submission, one line each, said before it queues (dry run or not)."""
+    gpu = gpu_warning(plan)
+    return ([gpu] if gpu else []) + misfit_warnings(plan)
+
+
 def print_dry_run(plan: Plan, script: str) -> None:
     """The summary and any warning on stderr, the script alone on stdout (``--dry-run > job.sh``)."""
     sys.stderr.write(summary(plan))
-    warning = gpu_warning(plan)
-    if warning:
+    for warning in warnings(plan):
         sys.stderr.write(f"# {warning}\n")
     sys.stdout.write(script)

@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         preview.print_dry_run(plan, sbatch_script(plan))
         return 0
     if args.cluster == "slurm":
-        warning = preview.gpu_warning(plan)  # a CPU job on GPU nodes is said once, before it queues
-        if warning:
+        for warning in preview.warnings(plan):  # a misfit is said once, before the job queues
             print(f"{PROG}: {warning}", file=sys.stderr)
     # submitit's folders and result files: not writable by the group, so that --wait may unpickle them.
     safefs.tighten_umask(plan.cfg.run.shared)

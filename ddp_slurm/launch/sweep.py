@@ -87,8 +87,10 @@ class RunSummary:
     epoch: int = 0
     metric: str | None = None  # the task's best_metric, from the start lines
     higher_is_better: bool = True
+    percent: tuple[str, ...] | None = None  # the task's percent_metrics (None: the default rule)
     final: float | None = None  # the metric at the last evaluation
     best: float | None = None  # its best value, in its direction
+    early_stop: int | None = None  # the step early stopping ended the run at (eval.patience)
     restarts: int = 0  # launches after the first (requeues and relaunches)
     time_s: float = 0.0
 
@@ -110,16 +112,18 @@ def summarize(run_dir: Path, name: str | None = None) -> RunSummary:
         out.step, out.epoch, out.time_s = row.get("step", out.step), row.get("epoch", out.epoch), row.get("time_s", 0.0)
         if kind == "start":
             starts.append(row)
-            out.status = "running"
+            out.status, out.early_stop = "running", None
         elif kind == "eval":
             evals.append(row)
         elif kind == "stop":
             out.status = "stopped"
+        elif kind == "early_stop":
+            out.early_stop = row.get("step")
         elif kind == "end":
             out.status = "finished"
     out.restarts = max(0, len(starts) - 1)
     metric = tracked.from_rows(starts, evals)
-    out.metric, out.higher_is_better = metric.name, metric.higher_is_better
+    out.metric, out.higher_is_better, out.percent = metric.name, metric.higher_is_better, metric.percent
     scored = [r for r in evals if metric.name and tracked.is_number(r.get(metric.name))]
     if scored and metric.name:
         out.final = scored[-1][metric.name]
@@ -144,10 +148,10 @@ def format_table(rows: list[RunSummary], columns: dict[str, list[str]] | None = 
         [
             r.name,
             *(vals[i] for vals in columns.values()),
-            r.status,
+            f"stopped early at {r.early_stop}" if r.status == "finished" and r.early_stop is not None else r.status,
             str(r.step),
-            tracked.show(r.metric or "", r.final) + ("" if what or r.metric is None else f" {r.metric}"),
-            tracked.show(r.metric or "", r.best) + ("" if what or r.metric is None else f" {r.metric}"),
+            tracked.show(r.metric or "", r.final, r.percent) + ("" if what or r.metric is None else f" {r.metric}"),
+            tracked.show(r.metric or "", r.best, r.percent) + ("" if what or r.metric is None else f" {r.metric}"),
             str(r.restarts),
             f"{r.time_s:.0f}s",
         ]

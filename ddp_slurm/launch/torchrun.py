@@ -17,7 +17,10 @@ milliseconds of interpreter start-up):
 * runs torchrun's own ``run`` with the arguments unchanged;
 * exits 75 when every worker of this node exited 75 ("stopped after a checkpoint, launch again to
   resume"), instead of torchrun's failure report and exit 1, so the job's exit status says what
-  happened.
+  happened;
+* ends a worker's failure with one line (which rank, its exit code, where torchrun's full report was
+  written) and the worker's own exit status, instead of ~45 lines of report and traceback after the
+  worker's error.
 
 SIGTERM stays with torchrun: it passes it on to the workers and gives them ``--shutdown-timeout``
 seconds (default 30) to write their checkpoint and exit before it kills them; the launcher then
@@ -102,6 +105,33 @@ def _stopped(exc) -> bool:
     return EXIT_STOPPED in codes and all(code in (EXIT_STOPPED, -signal.SIGTERM) for code in codes)
 
 
+def _failed(exc) -> int:
+    """One line for a worker that failed, instead of torchrun's report and the launcher's traceback (~45 lines
+    after the worker's own error): which rank, how it ended, and the file that keeps the whole report.
+    The exit status is the worker's own (2 for a config error, 128 + N for a signal), as a plain run's."""
+    import traceback
+
+    rank, failure = exc.get_first_failure()
+    fd, report = tempfile.mkstemp(prefix="ddp-slurm-launch-", suffix=".log")  # private to this user (0600)
+    with os.fdopen(fd, "w") as out:
+        out.write(exc.format_msg() + "\n" + "".join(traceback.format_exception(exc)))
+    if failure.exitcode < 0:
+        how, code = f"was killed by {failure.signal_name()}", 128 - failure.exitcode
+    else:
+        how, code = f"exited {failure.exitcode}", failure.exitcode or 1
+    log.error(
+        "worker rank %d (local rank %d, pid %d) %s: its error is in the lines above; exit %d "
+        "(torchrun's full report: %s)",
+        rank,
+        failure.local_rank,
+        failure.pid,
+        how,
+        code,
+        report,
+    )
+    return code
+
+
 def _local_workers(args) -> int | None:
     """Workers this node's agent starts (``--nproc-per-node N``), None where torchrun decides (``auto``, ``gpu``)."""
     n = str(getattr(args, "nproc_per_node", ""))
@@ -116,6 +146,8 @@ torchrun, with what a Slurm job needs added (every torchrun option works unchang
     it stays up and passes the signal on to its workers, which checkpoint and stop at the same step;
   * exit status 75 when every worker of the node stopped after a checkpoint ("launch again to
     resume"), instead of torchrun's failure report and exit 1;
+  * a worker's failure ends with one line and the worker's exit status (torchrun's full report goes
+    to a file that line names);
   * on SIGTERM (a requeue, a preemption, scancel): torchrun passes it on and waits --shutdown-timeout
     seconds as usual, then this exits 128+signal with one line instead of a traceback.
 
@@ -166,17 +198,20 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
         except ChildFailedError as exc:
             if _stopped(exc):
                 log.info(
-                    "all workers stopped on a signal after a checkpoint: exit %d (launch again to resume)", EXIT_STOPPED
+                    "all workers stopped on a signal after a checkpoint: exit %d (rank 0's line above names the command "
+                    "that resumes)",
+                    EXIT_STOPPED,
                 )
                 return EXIT_STOPPED
-            raise
+            return _failed(exc)
         except SignalException as exc:
             # SIGTERM & co. (a requeue, a preemption, scancel): torchrun has already passed it on to the
             # workers and waited for them, which checkpoint on SIGTERM. One line instead of a traceback.
             sig = signal.Signals(exc.sigval)
             if sig == signal.SIGINT and exitcodes.all_stopped(exit_dir, _local_workers(args), EXIT_STOPPED):
                 log.info(
-                    "interrupted: every worker stopped after a checkpoint; exit %d (launch again to resume)",
+                    "interrupted: every worker stopped after a checkpoint; exit %d (rank 0's line above names the "
+                    "command that resumes)",
                     EXIT_STOPPED,
                 )
                 return EXIT_STOPPED

@@ -146,7 +146,7 @@ def _layout(runs: list[RunHistory]) -> tuple[Any, dict[str, Any], list[str]]:
             ax.sharex(panels["loss"])
         if key.startswith("metric:"):
             name = key.partition(":")[2]
-            ax.set(title=f"test {name}", ylabel=tracked.axis_label(name))
+            ax.set(title=f"test {name}", ylabel=tracked.axis_label(name, runs[0].metric.percent))
     return fig, panels, metrics
 
 
@@ -174,11 +174,22 @@ def build_run(run: RunHistory, title: str) -> Any:
         rows = [r for r in run.evals if tracked.is_number(r.get(name))]
         panels[f"metric:{name}"].plot(
             [run.samples(r["step"]) for r in rows],
-            [tracked.scale(name, r[name]) for r in rows],
+            [tracked.scale(name, r[name], run.metric.percent) for r in rows],
             "o-",
             color=f"C{2 + i}",
             label=f"test {name}",
         )
+        best = run.metric.best(rows) if name == run.metric.name else None
+        if best is not None:  # the best checkpoint's evaluation (kept as <run dir>/best)
+            panels[f"metric:{name}"].plot(
+                [run.samples(best["step"])],
+                [tracked.scale(name, best[name], run.metric.percent)],
+                "*",
+                color="gold",
+                markeredgecolor="black",
+                markersize=14,
+                label=f"best (step {best['step']})",
+            )
     for launch in sorted({r["launch"] for r in run.train}):  # one line per launch: no line across a restart
         rows = [r for r in run.train if r["launch"] == launch]
         ax_rate.plot(
@@ -207,7 +218,7 @@ def plot_run(run: RunHistory, out: Path, title: str) -> Path:
 
 
 def _mark(run: RunHistory, sample_axes: list[Any], ax_rate: Any) -> None:
-    """Restarts, stop signals, epoch boundaries and world-size changes as vertical lines."""
+    """Restarts, stop signals, epoch boundaries, an early stop and world-size changes as vertical lines."""
     labelled: set[str] = set()
 
     def line(x_samples: float, x_time: float | None, color: str, style: str, name: str) -> None:
@@ -226,6 +237,8 @@ def _mark(run: RunHistory, sample_axes: list[Any], ax_rate: Any) -> None:
         line(run.samples(stop["step"]), stop["time_s"], "black", ":", "stop signal")
     for step in epoch_boundaries(run):
         line(run.samples(step), None, "tab:olive", (0, (1, 4)), "epoch boundary")
+    if run.early_stop is not None:
+        line(run.samples(run.early_stop["step"]), run.early_stop["time_s"], "tab:green", "-", "early stop")
     for step, time_s, old, new in world_size_changes(run):
         line(run.samples(step), time_s, "tab:cyan", "-.", f"world size {old} -> {new}")
 
@@ -246,7 +259,7 @@ def build_overlay(runs: list[RunHistory], names: list[str], title: str) -> Any:
             rows = [r for r in run.evals if tracked.is_number(r.get(metric))]
             panels[f"metric:{metric}"].plot(
                 [x(run, r["step"]) for r in rows],
-                [tracked.scale(metric, r[metric]) for r in rows],
+                [tracked.scale(metric, r[metric], run.metric.percent) for r in rows],
                 "o-",
                 color=color,
                 label=name,

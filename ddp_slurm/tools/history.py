@@ -35,6 +35,7 @@ class RunHistory:
     evals: list[dict[str, Any]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     stops: list[dict[str, Any]] = field(default_factory=list)
+    early_stop: dict[str, Any] | None = None  # the `early_stop` line that ended the run (eval.patience)
     last: dict[str, Any] | None = None  # the last complete line of the file
     ended: bool = False  # an `end` line after the last start
     metric: tracked.Tracked = field(default_factory=lambda: tracked.Tracked(None))  # the task's best_metric
@@ -67,12 +68,15 @@ def read_history(run_dir: Path) -> RunHistory:
                     del seen[s]
             run.starts.append(row)
             run.ended = False
+            run.early_stop = None
         elif kind == "train" and "loss" in row:
             train[step] = {**row, "launch": len(run.starts)}  # which launch logged it: throughput per launch
         elif kind == "eval":
             evals[step] = row
         elif kind == "stop":
             run.stops.append(row)
+        elif kind == "early_stop":
+            run.early_stop = row
         elif kind == "end":
             run.ended = True
     if run.last is None:

@@ -22,6 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ddp_slurm.config import relaunch
 from ddp_slurm.errors import UsageError
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
@@ -35,10 +36,12 @@ def summary(run: RunHistory) -> str:
     """The text summary: status, the tracked metric (final and best, in its direction) and the other
     eval metrics' final values, time, restarts, mean throughput."""
     last = run.last or {}
-    if run.ended:
+    if run.ended and run.early_stop is not None:
+        status = f"stopped early at step {run.early_stop['step']} ({run.early_stop.get('reason', 'eval.patience')})"
+    elif run.ended:
         status = f"finished at step {last['step']}"
     elif last.get("kind") == "stop":
-        status = f"stopped on a signal at step {last['step']} (launch again to resume)"
+        status = f"stopped on a signal at step {last['step']} (resume: {relaunch.resume_command(run.run_dir)})"
     else:
         status = f"running or interrupted, last line at step {last['step']}"
     world = next((r.get("world_size") for r in reversed(run.starts + run.train) if r.get("world_size")), None)
@@ -47,14 +50,14 @@ def summary(run: RunHistory) -> str:
     if best is not None and name:
         final = next(r for r in reversed(run.evals) if name in r)
         lines.append(
-            f"test {name}: final {tracked.show(name, final[name])} (step {final['step']}), "
-            f"best {tracked.show(name, best[name])} (step {best['step']}; {run.metric.direction})"
+            f"test {name}: final {tracked.show(name, final[name], run.metric.percent)} (step {final['step']}), "
+            f"best {tracked.show(name, best[name], run.metric.percent)} (step {best['step']}; {run.metric.direction})"
         )
     elif name:
         lines.append(f"test {name}: no evaluation yet")
     others = [n for n in eval_metrics(run) if n != name]
     if others and run.evals:
-        shown = ", ".join(f"{n} {tracked.show(n, run.evals[-1].get(n))}" for n in others)
+        shown = ", ".join(f"{n} {tracked.show(n, run.evals[-1].get(n), run.metric.percent)}" for n in others)
         lines.append(f"final test {shown} (step {run.evals[-1]['step']})")
     launches = len(run.starts)
     requeues = max((r.get("restart_count", 0) for r in run.starts), default=0)

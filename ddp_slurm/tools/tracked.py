@@ -8,9 +8,11 @@ from there (no task import, no torch). A run written before those fields existed
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from ddp_slurm import text
 
 # Fields of an eval line that are not metrics.
 _POSITION = frozenset({"kind", "step", "epoch", "time_s", "test_samples"})
@@ -22,6 +24,8 @@ class Tracked:
 
     name: str | None
     higher_is_better: bool = True
+    percent: tuple[str, ...] | None = None
+    """The task's ``percent_metrics`` (None: it declared none, the default rule applies; ``text.is_percent``)."""
 
     def best(self, rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         """The row with the best value of the metric (the earliest on a tie), or None."""
@@ -46,25 +50,19 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def is_percent(name: str) -> bool:
-    """Fractions shown as percentages: the accuracy-like metrics (as the training log shows them)."""
-    return "accuracy" in name
+def show(name: str, value: float | None, percent: Collection[str] | None = None) -> str:
+    """``97.50%`` for a fraction shown as a percentage, ``0.0003142`` for the rest, ``-`` for nothing (the
+    training log's rule: ``text.metric_value``)."""
+    return "-" if value is None else text.metric_value(name, value, percent)
 
 
-def show(name: str, value: float | None) -> str:
-    """``97.50%`` for an accuracy, ``0.0003142`` for the rest, ``-`` for nothing."""
-    if value is None:
-        return "-"
-    return f"{100 * value:.2f}%" if is_percent(name) else f"{value:.4g}"
+def axis_label(name: str, percent: Collection[str] | None = None) -> str:
+    return f"{name} (%)" if text.is_percent(name, percent) else name
 
 
-def axis_label(name: str) -> str:
-    return f"{name} (%)" if is_percent(name) else name
-
-
-def scale(name: str, value: float) -> float:
-    """The value as plotted (accuracies in percent)."""
-    return 100 * value if is_percent(name) else value
+def scale(name: str, value: float, percent: Collection[str] | None = None) -> float:
+    """The value as plotted (fractions shown as percentages x100)."""
+    return 100 * value if text.is_percent(name, percent) else value
 
 
 def eval_metrics(evals: Iterable[dict[str, Any]]) -> list[str]:
@@ -79,6 +77,12 @@ def from_rows(starts: Iterable[dict[str, Any]], evals: Iterable[dict[str, Any]])
     """The latest start line's ``best_metric``; for older files ``accuracy`` when the evals have one."""
     for start in reversed(list(starts)):
         if "best_metric" in start:
-            name = start["best_metric"]
-            return Tracked(name if isinstance(name, str) else None, start.get("higher_is_better") is not False)
+            name, percent = start["best_metric"], start.get("percent_metrics")
+            if not (isinstance(percent, list) and all(isinstance(p, str) for p in percent)):
+                percent = None  # a file from before the field (or not this program's): the default rule
+            return Tracked(
+                name if isinstance(name, str) else None,
+                start.get("higher_is_better") is not False,
+                tuple(percent) if percent is not None else None,
+            )
     return Tracked("accuracy" if "accuracy" in eval_metrics(evals) else None)

@@ -17,7 +17,10 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Collection
 from typing import Any
+
+from ddp_slurm import text
 
 # What gloo/NCCL say on a surviving rank when another rank has gone (crashed, killed, stopped answering).
 _PEER_GONE = re.compile(
@@ -160,6 +163,7 @@ def resumed_from(step: int, launch: int, env: Any) -> str:
     return f"from step {step}" + (f" ({where})" if where else "")
 
 
-def metric(name: str, value: float) -> str:
-    """``accuracy 97.50%`` for fractions named like accuracies, ``loss 0.0812`` for the rest."""
-    return f"{name} {100 * value:.2f}%" if "accuracy" in name else f"{name} {value:.4g}"
+def metric(name: str, value: float, percent: Collection[str] | None = None) -> str:
+    """``accuracy 97.50%`` for a fraction shown as a percentage (the task's ``percent_metrics``; by default
+    the names containing ``accuracy``), ``loss 0.0812`` for the rest (``text.metric_value``)."""
+    return f"{name} {text.metric_value(name, value, percent)}"

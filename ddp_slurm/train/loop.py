@@ -3,9 +3,10 @@
 ``train`` prepares: the run's objects (``run.build``: data, model, the strategy's wrapper, optimizer,
 schedule, step), the run directory and the checkpoint to resume from (``rundir.take`` on rank 0, the
 ``Checkpointer`` on every rank), the record of the run (``metrics.jsonl`` and the loggers). ``loop``
-then reads top to bottom: steps until the last one or a stop signal, the ranks agreeing on stopping
-(``vote.py``), an evaluation and a checkpoint at the end of each epoch and a checkpoint every
-``checkpoint.every_steps``. Side features (progress, the train lines, the watchdog's heartbeat, the
+then reads top to bottom: steps until the last one, a stop signal or an early stop, the ranks agreeing
+on stopping (``vote.py``), an evaluation and a checkpoint at the end of each epoch, an evaluation every
+``eval.every_steps`` (``evaluation.py``: a stop honoured at each of its batches, the best and early
+stopping) and a checkpoint every ``checkpoint.every_steps`` and after each new best. Side features (progress, the train lines, the watchdog's heartbeat, the
 sync-debug watch) are hooks beside it (``hooks/``); ``stop_on_signal`` is the way out on a signal.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from ddp_slurm import errors
-from ddp_slurm.config import Config
+from ddp_slurm.config import Config, relaunch
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.distributed.groups import Groups
@@ -28,7 +29,7 @@ from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
 from ddp_slurm.slurmjob import allocation, chain
 from ddp_slurm.train import determinism, hooks, loggers, logs, rng, rundir, runname, strategy, warmstart
 from ddp_slurm.train.checkpoint import Checkpointer, CheckpointError, fit
-from ddp_slurm.train.evaluation import evaluate
+from ddp_slurm.train.evaluation import EARLY, IMPROVED, NONE, STOPPED, Evaluations
 from ddp_slurm.train.hooks import Training
 from ddp_slurm.train.hooks.syncdebug import reset as reset_sync_debug
 from ddp_slurm.train.metrics import MetricsWriter
@@ -100,7 +101,7 @@ def train(
         path, summary, cfg.run.init_from = on_rank0(env, take, host)
         if summary is not None and summary[1]:  # a finished run launched again
             name, best = task.best_metric, summary[2]
-            shown = f" (best test {logs.metric(name, best)})" if name and best is not None else ""
+            shown = f" (best test {logs.metric(name, best, task.percent_metrics)})" if name and best is not None else ""
             log.info("run %s already finished at step %d%s; nothing to do", cfg.run_dir, summary[0], shown)
             return EXIT_OK
         if env.in_slurm_job and env.restart_count > cfg.slurm.max_requeues:
@@ -134,45 +135,41 @@ def train(
 
 
 def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: Any = None) -> int:
-    """Steps until the last one or a stop signal; the exit code."""
+    """Steps until the last one, a stop signal or an early stop; the exit code."""
     run, pos = t.run, t.run.pos
     side = hooks.standard(run, dog)
+    evals = Evaluations(t, stop)
     side.start(t)
     batches = run.batches.epoch(pos.epoch, pos.step_in_epoch)
     side.epoch_start(t)
     requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)  # a signal that came before the first step
-    while not (requeue or terminate) and pos.step < run.total_steps:
+    ended = NONE  # STOPPED: a stop signal inside an evaluation; EARLY: early stopping
+    if not (requeue or terminate) and evals.pending(_end_of_epoch(run)):  # a stop abandoned this step's evaluation
+        ended, batches = _close_step(t, ckpt, evals, side, batches, saving=True)
+    while not (requeue or terminate) and ended == NONE and pos.step < run.total_steps:
         side.before_step(t)
         loss = run.train_step(next(batches))
         pos.advance()
         side.stepped(t)
-        end_of_epoch = pos.step_in_epoch == run.steps_per_epoch or pos.step == run.total_steps
+        end_of_epoch = _end_of_epoch(run)
         saving = ckpt.due(pos.step, end_of_epoch)
-        if saving or side.wants_host(pos.step):  # the boundaries that may wait for the device
+        waiting = saving or evals.due(end_of_epoch)
+        if waiting or side.wants_host(pos.step):  # the boundaries that may wait for the device
             side.boundary(t)
-        # The ranks agree on stopping one step late, without waiting for each other (StopVote);
-        # before an evaluation or a save they wait, so that nothing non-finite is evaluated or saved.
-        requeue, terminate, bad = votes.exchange(loss, pos.step, wait=saving)
+        # The ranks agree on stopping one step late, without waiting for each other (StopVote); before an
+        # evaluation or a save they wait, so that nothing non-finite is evaluated or saved.
+        requeue, terminate, bad = votes.exchange(loss, pos.step, wait=waiting)
         if votes.failed:  # rank 0's background write failed (disk full, read-only): its one line, every rank
             ckpt.wait()
+        ckpt.poll()  # a background write now durable says so here, before this step's progress line
         if bad:
             raise NonFiniteLoss(
                 f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
                 "(lower train.lr and start a new run.name)"
             )
         side.after_step(t, loss)
-        if end_of_epoch:
-            side.epoch_end(t)
-            evaluate(t)
-            pos.next_epoch()
-            batches = run.batches.epoch(pos.epoch, 0)
-            last = pos.step >= run.total_steps
-            save(t, ckpt, finished=last, urgent=last)
-            if not last:
-                side.epoch_start(t)
-        elif saving:
-            save(t, ckpt)
-        if saving:  # a signal that came during the evaluation or the save stops here: this step is on disk
+        ended, batches = _close_step(t, ckpt, evals, side, batches, saving)
+        if saving and ended == NONE:  # a signal that came during the evaluation or the save stops here
             requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)
     votes.settle()  # the last step's flags, when a signal ended the loop: no collective left in flight
     side.end(t)
@@ -180,11 +177,40 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
     # under a rank still waiting for rank 0, and its DataLoader would raise there (exit 1, not 75).
     run.close()
     stop.stopping = True  # from here on stop signals are absorbed until the process exits (see signals.py)
-    if (requeue or terminate) and pos.step < run.total_steps:
+    if ended == STOPPED:  # inside an evaluation: the resumed run redoes it
+        return stop_on_signal(t, ckpt, wants_requeue=evals.vote.requeue and not evals.vote.terminate)
+    if (requeue or terminate) and ended != EARLY and pos.step < run.total_steps:  # an early stop is an end
         return stop_on_signal(t, ckpt, wants_requeue=requeue and not terminate)
-    if requeue or terminate:  # came during the last step or the final evaluation: the work is done, no requeue
+    if requeue or terminate:  # came during the last save (or with an early stop): the work is done, no requeue
         log.info("stop signal after the last step: the run is finished, its final checkpoint is on disk")
     return _finish(t, ckpt)
+
+
+def _end_of_epoch(run: Any) -> bool:
+    return run.pos.step_in_epoch == run.steps_per_epoch or run.pos.step == run.total_steps
+
+
+def _close_step(
+    t: Training, ckpt: Checkpointer, evals: Evaluations, side: Any, batches: Any, saving: bool
+) -> tuple[str, Any]:
+    """After a step: its evaluation when due, the epoch's end, its checkpoint (when due, at an epoch's end,
+    after a new best, at the end). Returns (NONE, STOPPED or EARLY; the batches to go on with)."""
+    run, pos = t.run, t.run.pos
+    end_of_epoch = _end_of_epoch(run)
+    if end_of_epoch:
+        side.epoch_end(t)
+    outcome = evals.run(end_of_epoch)
+    if outcome == STOPPED:  # nothing of the evaluation kept: the checkpoint of this step says it is still due
+        return STOPPED, batches
+    if end_of_epoch:
+        pos.next_epoch()
+        batches = run.batches.epoch(pos.epoch, 0)
+    last = pos.step >= run.total_steps or outcome == EARLY
+    if saving or end_of_epoch or last or outcome == IMPROVED:
+        save(t, ckpt, finished=last, urgent=last)
+    if end_of_epoch and not last:
+        side.epoch_start(t)
+    return (EARLY if outcome == EARLY else NONE), batches
 
 
 def save(t: Training, ckpt: Checkpointer, finished: bool = False, urgent: bool = False) -> None:
@@ -212,6 +238,7 @@ def _start(t: Training, backend: str, resumed: bool, warm: dict[str, Any]) -> No
         **warm,
         best_metric=run.task.best_metric,
         higher_is_better=run.task.higher_is_better,
+        percent_metrics=None if run.task.percent_metrics is None else list(run.task.percent_metrics),
         launch=t.metrics.launch,
         steps_per_epoch=run.steps_per_epoch,
     )
@@ -234,7 +261,11 @@ def _finish(t: Training, ckpt: Checkpointer) -> int:
     ckpt.wait()  # the final checkpoint is durable before the run says it ended
     t.metrics.write("end", pos.step, pos.epoch, t.elapsed(), **({f"best_{name}": pos.best} if name else {}))
     t.metrics.close()
-    best = f", best test {logs.metric(name, pos.best)}" if name and pos.best is not None else ""
+    best = (
+        f", best test {logs.metric(name, pos.best, t.run.task.percent_metrics)}"
+        if name and pos.best is not None
+        else ""
+    )
     log.info("finished: %d steps%s, %.1f s; run directory %s", pos.step, best, t.elapsed(), run.cfg.run_dir)
     return EXIT_OK
 
@@ -268,7 +299,10 @@ def stop_on_signal(t: Training, ckpt: Checkpointer, wants_requeue: bool) -> int:
     on_rank0(
         env,
         lambda: log.info(
-            "stopped on signal at step %d with a checkpoint; launch again to resume (exit %d)", pos.step, EXIT_STOPPED
+            "stopped on signal at step %d with a checkpoint; resume with: %s (exit %d)",
+            pos.step,
+            relaunch.resume_command(cfg.run_dir),
+            EXIT_STOPPED,
         ),
         host,
     )

@@ -20,7 +20,10 @@ from torch import nn
 from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train.loader import batch_size_of
 
-NO_GROUPS = Groups()  # one process, or torch's default group for everything (tests)
+NO_GROUPS = Groups()
+_END = (
+    object()
+)  # the end of a rank's evaluation batches  # one process, or torch's default group for everything (tests)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -81,7 +84,8 @@ def evaluate(
     world_size: int,
     precision: str = "fp32",
     groups: Groups = NO_GROUPS,
-) -> tuple[dict[str, float], int]:
+    vote: Callable[[bool], bool | None] | None = None,
+) -> tuple[dict[str, float], int] | None:
     """Exact distributed evaluation: per-sample metric sums over this rank's shard, added over ranks,
     divided by the number of samples (every sample counted once whatever the world size).
 
@@ -89,14 +93,30 @@ def evaluate(
     rank first takes rank 0's buffers: batch-norm statistics drift apart between ranks during training
     (see ``wrap_ddp``), and the model evaluated must be the one rank 0 checkpoints. Returns
     (metrics, samples). ``groups``: the run's (device tensors on ``train``, the names on ``host``).
+
+    ``vote(has_batch)``, asked before each batch on every rank (``evaluation.EvalVote``): True goes on,
+    False ends the evaluation (no rank has a batch left), None abandons it (a stop signal): None returned.
     """
     take_rank0_buffers(model, world_size, groups.train)
     was_training = model.training
     model.eval()
     names: list[str] | None = None
     totals = torch.zeros(1, dtype=torch.float64, device=device)  # [samples, metric sums ...]
+    batches = iter(batches)
     with autocast(device, precision):
-        for batch in batches:
+        while True:
+            batch = next(batches, _END)
+            if vote is not None:
+                verdict = vote(batch is not _END)
+                if verdict is None:
+                    model.train(was_training)
+                    return None
+                if not verdict:
+                    break
+            if batch is _END:
+                if vote is None:
+                    break
+                continue  # this rank's shard is done; the others' are not: it keeps voting
             if isinstance(batch, Padding):
                 metrics_of(model, batch.batch)
                 continue

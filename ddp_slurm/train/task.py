@@ -106,6 +106,9 @@ class Task:
     """An evaluation metric whose best value is tracked and reported (e.g. ``"accuracy"``)."""
     higher_is_better: ClassVar[bool] = True
     """Whether a larger ``best_metric`` is better."""
+    percent_metrics: ClassVar[tuple[str, ...] | None] = None
+    """Evaluation metrics that are fractions (0 to 1), shown x100 with a % sign in the log, ``report`` and
+    sweeps. None: those whose name contains ``accuracy``; ``()`` for none (a metric already in percent)."""
 
     def __init__(self, config: Any, ctx: Context) -> None:
         self.config = config

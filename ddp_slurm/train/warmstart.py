@@ -10,7 +10,8 @@ where it stopped, not start over from the source).
 
 The source is resolved once, on rank 0, before the run directory is made: a run directory means its
 newest checkpoint that passes the gate (trusted, whole; whichever strategy wrote it: a folder of shards
-is read whole), a file or a folder of shards means that one. It must hold this model (names and
+is read whole), a file or a folder of shards means that one, ``<run dir>/best`` the run's best checkpoint
+(``checkpoint/best.py``), read like any file or folder. It must hold this model (names and
 shapes) and, with ``run.init_optimizer``, an optimizer of this run's structure (``fit``: another
 grouping crashed the fused kernels); otherwise one line and exit 2, with nothing created. The resolved
 checkpoint is written into the run's ``config.yaml`` (``run.init_from``) and the ``start`` line of
@@ -26,7 +27,7 @@ from typing import Any
 from ddp_slurm.config import Config
 from ddp_slurm.errors import UsageError
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import fit, gate, sharded
+from ddp_slurm.train.checkpoint import best, fit, gate, sharded
 from ddp_slurm.train.checkpoint.backends import BACKENDS, backend_at
 from ddp_slurm.train.checkpoint.format import CheckpointError
 
@@ -38,6 +39,11 @@ def _source(spec: str, shared: bool, rules: list[gate.Accept], template: fit.Tem
     UsageError naming what is wrong."""
     path = Path(spec)
     what = f"run.init_from={spec}"
+    if path.name == "best" and not path.is_dir():  # <run dir>/best: the checkpoint it names, checked below
+        try:
+            path = best.named(RunPaths(path.parent, shared)) or path
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"{what}: {exc}") from None
     if path.is_dir() and not (path / sharded.COMMIT).exists():  # a run directory: its newest whole checkpoint
         paths = RunPaths(path, shared)
         backend = gate.backend_of(paths)

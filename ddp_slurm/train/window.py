@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm.distributed.env import DistEnv
+from ddp_slurm.text import counted
 from ddp_slurm.train import logs
 
 log = logging.getLogger("ddp_slurm")
@@ -77,5 +78,6 @@ def log_placement(env: DistEnv, group: Any) -> list[str]:
     if env.world_size > 1:
         dist.all_gather_object(hosts, host, group=group)
     if env.rank == 0:
-        log.info("ranks by host (%d ranks, %d hosts): %s", env.world_size, len(set(hosts)), logs.rank_map(hosts))
+        shape = f"{counted(env.world_size, 'rank')}, {counted(len(set(hosts)), 'host')}"
+        log.info("ranks by host (%s): %s", shape, logs.rank_map(hosts))
     return hosts

@@ -262,7 +262,7 @@ def result(jobs: dict[str, Future], name: str) -> Job:
 # ---------------------------------------------------------------------------------------------- checks
 def rank_hosts(job: Job) -> dict[int, str]:
     """rank -> host from rank 0's one-line rank map in the log (the last run's)."""
-    lines = re.findall(r"ranks by host \((\d+) ranks, \d+ hosts\): (.*)", job.log_text())
+    lines = re.findall(r"ranks by host \((\d+) ranks?, \d+ hosts?\): (.*)", job.log_text())
     assert lines, f"no rank map in the log\n{job.describe()}"
     hosts: dict[int, str] = {}
     for group in lines[-1][1].split("; "):

@@ -9,6 +9,13 @@ submits their own code.
                  job resumes and ends bit-identical to ``add_ref``.
 ``line_torchrun`` sbatch/mnist_torchrun.sh: the minimal task of tests/tasks_helpers.py (nothing in the
                  package names it), 4 agents x 1 worker.
+``eval_ref``     sbatch/mnist_4node.sh: that task made slow (tests/tasks_helpers.SLOW_LINE_TASK), an
+                 evaluation every 4 steps whose batches sleep, to the end.
+``eval_usr2``    the same job, ``scancel --signal=USR2`` while an evaluation runs: abandoned within a
+                 batch, the step checkpointed, requeued; the resumed job redoes that evaluation and ends
+                 with ``eval_ref``'s evaluation lines and weights.
+``eval_early``   the slow task without sleeps, 20 epochs, ``eval.patience=3``: early stopping ends the job
+                 COMPLETED (exit 0), never requeued.
 Then submit: the minimal task and the example on 4 nodes, ``--wait``.
 
 Jobs use one CPU per rank (``--cpus-per-task=1``) so that runs are bit-for-bit repeatable.
@@ -39,7 +46,7 @@ from cluster.test_sbatch import (
     run_scancel_usr2,
     started,
 )
-from tasks_helpers import LINE_RUN, addition_tiny, write_line_task
+from tasks_helpers import LINE_RUN, SLOW_LINE_RUN, addition_tiny, write_line_task, write_slow_line_task
 
 from ddp_slurm.train import checkpoint
 
@@ -76,6 +83,7 @@ class TaskDriver(Driver):
         super().__init__(cluster, workdir)
         (workdir / "examples").symlink_to(REPO / "examples")
         write_line_task(workdir)
+        write_slow_line_task(workdir)
 
     def submit(self, job: Job) -> Job:
         config_file = self.workdir / f"{job.name}.yaml"
@@ -129,6 +137,55 @@ def line_job(driver: TaskDriver) -> Iterator[dict[str, Future]]:
     yield from started(d, {"line_torchrun": (run_plain, line)})
 
 
+# The slow Line task for 3 epochs (24 steps, 6 evaluations), each evaluation batch sleeping 1 s, so that
+# most of the job's time is spent evaluating.
+SLOW_EVAL = [*SLOW_LINE_RUN, "train.epochs=3", "slow.eval_sleep_s=1.0"]
+
+
+def eval_job(d: TaskDriver, name: str) -> Job:
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={name}", *SLOW_EVAL]
+    args.append(f"slow.eval_log={d.workdir / f'{name}-evals.log'}")
+    return Job(name, "mnist_4node.sh", ["--nodes=4", *PER_NODE], args, d.workdir, steps=24)
+
+
+def early_job(d: TaskDriver) -> Job:
+    job = eval_job(d, "eval_early")
+    job.train_args = [a for a in job.train_args if not a.startswith(("slow.", "train.epochs="))]
+    job.train_args += ["train.epochs=20", "eval.patience=3", "eval.min_delta=1e-5"]
+    job.steps = 20 * 8
+    return job
+
+
+def eval_batches(job: Job) -> list[float]:
+    """When each evaluation batch of the job began (any rank), from the slow task's log."""
+    path = job.workdir / f"{job.name}-evals.log"
+    return [float(line.split()[0]) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_usr2_during_evaluation(d: TaskDriver, job: Job) -> Job:
+    """USR2 to the job once its second evaluation is under way (step 8, an epoch's end)."""
+    d.submit(job)
+    d.wait_for(job, "the second evaluation", lambda: len(eval_batches(job)) >= 3 * 4 + 2)
+    job.info["sent"] = str(time.time())
+    d.cluster.cancel(job.job_id, "--signal=USR2")
+    sent = job.info.pop("sent")
+    job = d.finish(job)
+    job.info["sent"] = sent
+    return job
+
+
+@pytest.fixture(scope="module")
+def eval_jobs(driver: TaskDriver) -> Iterator[dict[str, Future]]:
+    yield from started(
+        driver,
+        {
+            "eval_ref": (run_plain, eval_job(driver, "eval_ref")),
+            "eval_usr2": (run_usr2_during_evaluation, eval_job(driver, "eval_usr2")),
+            "eval_early": (run_plain, early_job(driver)),
+        },
+    )
+
+
 def result(jobs: dict[str, Future], name: str) -> Job:
     return jobs[name].result(timeout=JOB_TIMEOUT_S * 2)
 
@@ -160,6 +217,42 @@ def test_sbatch_torchrun_minimal_task(line_job, slurm_cluster) -> None:
     assert job.rows("eval")[-1]["mse"] < 0.1
     state = checkpoint.load_latest(job.run_dir)
     assert abs(state["model"]["weight"].item() - 3) < 0.3 and abs(state["model"]["bias"].item() - 1) < 0.3
+
+
+def test_usr2_during_a_long_evaluation_abandons_it_requeues_and_redoes_it(eval_jobs) -> None:
+    job, ref = result(eval_jobs, "eval_usr2"), result(eval_jobs, "eval_ref")
+    assert_completed(job, restarts=1)
+    [stop] = assert_resumed_exactly(job)
+    assert stop["requeue"] is True and stop["step"] == 8, stop  # the evaluation at step 8 was under way
+    first_run = job.rows()[: job.rows().index(stop)]
+    assert 8 not in [r["step"] for r in first_run if r["kind"] == "eval"], first_run
+    assert "evaluation abandoned on a stop signal" in job.log_text(), job.describe()
+    # Each rank may have begun one more batch (1 s each) before it saw the signal; none began a second one.
+    # The requeued run cannot evaluate within 3 s of the signal (the job ends, restarts, imports torch).
+    sent = float(job.info["sent"])
+    late = [t for t in eval_batches(job) if sent < t < sent + 3.0]
+    assert len(late) <= 4, f"evaluation batches begun after the signal: {late}"
+
+    def evals(j: Job) -> list[tuple]:
+        seen: dict[int, tuple] = {}
+        for r in j.rows("eval"):
+            seen[r["step"]] = (r["step"], r["mse"], r["test_samples"])
+        return list(seen.values())
+
+    assert evals(job) == evals(ref) and [e[0] for e in evals(ref)] == [4, 8, 12, 16, 20, 24]
+    assert_same_weights(job, ref)
+
+
+def test_early_stopping_ends_the_job_completed_without_a_requeue(eval_jobs) -> None:
+    job = result(eval_jobs, "eval_early")
+    assert (job.info["JobState"], job.info["ExitCode"], job.info["Restarts"]) == ("COMPLETED", "0:0", "0"), (
+        job.describe()
+    )
+    [early] = job.rows("early_stop")
+    assert early["step"] < job.steps and early["best_step"] < early["step"], early
+    assert job.rows()[-1]["kind"] == "end" and job.rows()[-1]["step"] == early["step"], job.describe()
+    assert "early stop at step" in job.log_text() and "requeue" not in job.log_text().lower(), job.describe()
+    assert checkpoint.load_latest(job.run_dir)["finished"]
 
 
 # --------------------------------------------------------------------------- submit

@@ -9,7 +9,7 @@ MODELS = ("mlp", "cnn")
 
 
 class MLP(nn.Sequential):
-    """784-100-10 with ReLU: the seed documents' model."""
+    """784-100-10 with ReLU: the classic MNIST baseline."""
 
     def __init__(self) -> None:
         super().__init__(nn.Flatten(), nn.Linear(784, 100), nn.ReLU(), nn.Linear(100, 10))
@@ -50,6 +50,12 @@ class CNN(nn.Sequential):
         )
         self.width = w
         self.to(memory_format=torch.channels_last)  # the weights too: no layout conversion per call
+        # Except the stem's: with one input channel NCHW and NHWC are the same bytes, and autograd returns that
+        # weight's gradient with NCHW strides. A weight left with NHWC strides makes DDP's gradient bucket (laid
+        # out like the weight) disagree with every gradient: "Grad strides do not match bucket view strides",
+        # and a copy per step instead of a view.
+        stem = self[0].weight
+        stem.data = stem.data.clone(memory_format=torch.contiguous_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.contiguous(memory_format=torch.channels_last))

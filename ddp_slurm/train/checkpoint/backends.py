@@ -109,7 +109,8 @@ class Backend:
         prune: Callable[[Path], None],
     ) -> Any:
         """The writer of this backend's checkpoints (``checkpoint.async`` from ``section``; ``prune(newest)``
-        after each durable write): ``save(snapshot, urgent)``, ``wait``, ``close``, ``failed``, ``in_flight``."""
+        after each durable write): ``save(snapshot, urgent)``, ``wait``, ``collect_durable``, ``close``, ``failed``,
+        ``in_flight``."""
         raise NotImplementedError
 
     def writes(self, run: Objects, write: Callable[[], Any]) -> Any:

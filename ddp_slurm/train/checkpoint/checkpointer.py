@@ -12,7 +12,8 @@ backend (the strategy names it: one file written by rank 0, or a folder of every
   with ``checkpoint.async`` (at most one write in flight) or in the caller's thread; ``urgent`` for the
   saves the process waits for next (a stop signal, the end of training);
 - ``checkpoint.keep``: pruning after each durable write, counting only this run's checkpoints (the gate's
-  judgement again), never one a resume would not accept;
+  judgement again), never one a resume would not accept; the best checkpoint (``best.py``) is spared
+  beside them, and named in the run directory's ``best`` once it is durable;
 - the run directory and ``run.shared`` (``RunPaths``): where, and with which file modes.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 from ddp_slurm import errors
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import fit, format, gate, listing, sharded
+from ddp_slurm.train.checkpoint import best, fit, format, gate, listing, sharded
 from ddp_slurm.train.checkpoint.backends import Backend, Objects
 from ddp_slurm.train.checkpoint.format import CheckpointError
 from ddp_slurm.train.checkpoint.state import Position
@@ -69,6 +70,7 @@ class Checkpointer:
             backend, paths, [gate.same_config(cfg), gate.same_model(self.reference)], template=template
         )
         self._seen: dict[Any, Any] = {}  # pruning's verdicts on the kept entries, by identity
+        self._best_of: dict[int, int | None] = {}  # step saved -> the step of the best checkpoint then
         self._writer = backend.writer(paths, section, stop_pending=stop_pending, prune=self.prune)
 
     # -- finding and restoring -----------------------------------------------------------------
@@ -111,6 +113,7 @@ class Checkpointer:
         handed to the background writer (logged when durable). ``urgent``: the caller waits for it next.
         NonFiniteWeights (every rank) when the weights are not finite: nothing is written."""
         step = self.run.pos.step
+        self._best_of[step] = self.run.pos.best_step
         try:
             snapshot: Any = self.backend.capture(self.run, finished, elapsed_s, extra)  # a collective
         except ValueError as exc:  # raised where the write happens, so that every rank raises it
@@ -129,15 +132,25 @@ class Checkpointer:
         return path
 
     def prune(self, newest: Path) -> None:
-        """Rank 0, after each durable write: keep the ``checkpoint.keep`` newest of this run's own."""
+        """Rank 0, after each durable write: keep the ``checkpoint.keep`` newest of this run's own, and the
+        best; name the best in the run directory when ``newest`` is it."""
+        candidates = self.backend.candidates(self.paths)
+        step = best.step_of(newest.name)
+        best_step = self._best_of.pop(step, None) if step is not None else None
+        for old in [s for s in list(self._best_of) if step is not None and s < step]:
+            del self._best_of[old]  # written (or failed) before this one
+        if best_step is not None and best_step == step:
+            best.mark(self.paths, newest)
+        spare = next((p for s, p in candidates if s == best_step), None)
         listing.prune(
-            self.backend.candidates(self.paths),
+            candidates,
             self.keep,
             newest,
             summary_of=self.backend.summary,
             judge=self.gate.judge_summary,
             remove=sharded.remove,
             seen=self._seen,
+            spare=spare,
         )
 
     def _same_run_dir(self, step: int) -> None:
@@ -151,6 +164,14 @@ class Checkpointer:
             self._root = now
         if now is None or now != self._root:
             raise format.gone(self.paths.root, self.paths.checkpoint(step))
+
+    def poll(self) -> None:
+        """Each step, rank 0, no collective, never blocks: a background write that has become durable is
+        collected now, so that its line comes in order with the progress lines (it came at the next save,
+        after the lines of every step between). A failed one is left for the stop vote (``failed``): the
+        ranks raise it together."""
+        if self.run.rank == 0:
+            self._writer.collect_durable()
 
     @property
     def failed(self) -> bool:

@@ -4,7 +4,8 @@ A checkpoint can pass its seal and still hold garbage: written by another progra
 forged and re-sealed with this program's own functions (the seal is a checksum anyone can recompute).
 Every value a resume reads is checked here first, with one rule for the whole file and the folder of
 shards alike: counts are non-negative integers (not booleans), the step in the epoch is not beyond
-the step, the time is finite, the best metric a number or null, the flags booleans, the RNG streams
+the step, the time is finite, the best metric a number or null (its step, and the step last
+evaluated, not beyond the step; early stopping's count a count), the flags booleans, the RNG streams
 one per rank and each a stream, the schedule, task state and config mappings. A record that fails is
 skipped like a corrupt file (``ValueError`` naming the key), so a resume falls back to the checkpoint
 before it instead of resuming somewhere else or crashing on every requeue.
@@ -77,6 +78,9 @@ def _scaler(value: Any) -> bool:
 # key -> (check, what it must be); checked where a record holds it (checkpoints made before it existed do not)
 OPTIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "scaler": (_scaler, "null or a gradient scaler's state"),
+    "best_step": (lambda v: v is None or _count(v), "a count or null"),
+    "stale": (_count, "a count"),
+    "evaluated": (_count, "a count"),
 }
 
 
@@ -91,6 +95,9 @@ def check(record: Mapping[str, Any], extra: Mapping[str, tuple[Callable[[Any], b
     for key, (ok, what) in OPTIONAL.items():
         if key in record and not ok(record[key]):
             raise ValueError(f"its {key} is not {what} ({record[key]!r:.40})")
+    for key in ("best_step", "evaluated"):
+        if (record.get(key) or 0) > record["step"]:
+            raise ValueError(f"its {key} {record[key]} is beyond its step {record['step']}")
     if record["step_in_epoch"] > record["step"]:
         raise ValueError(f"its step_in_epoch {record['step_in_epoch']} is beyond its step {record['step']}")
     world = record.get("world_size")

@@ -216,6 +216,13 @@ class ShardedCheckpointer:
             return None
         return self.wait()
 
+    def collect_durable(self) -> Path | None:
+        """This rank's write once done (rank 0: committed), logged; else None. Never blocks or raises: a failed
+        write is left for ``wait`` (``failed``)."""
+        if self._thread is None or self._thread.is_alive() or self._error is not None:
+            return None
+        return self.wait()
+
     def settle(self) -> None:
         """Block until this rank's write in flight is done (rank 0: committed), no collective: every rank waits
         for its own shards before ``Checkpointer.wait`` asks rank 0, so that the ranks wait in a collective

@@ -3,8 +3,10 @@
 A checkpoint holds everything a task needs to continue bit-identically: the model and the optimizer
 (the backend's part: rank 0's whole state dicts in a file, or every rank's shards), and ``record``:
 the schedule, the task's own ``state_dict``, the position (step, epoch, step in epoch), every rank's
-RNG streams (``rng.py``), the best metric, the world size, and the run's config. The data position is
-(epoch, step in epoch), see ``loader``. ``resume`` puts a record back on every rank.
+RNG streams (``rng.py``), the best metric (its value and step, and early stopping's count of
+evaluations without improvement), the step of the last evaluation completed, the world size, and the
+run's config. The data position is (epoch, step in epoch), see ``loader``. ``resume`` puts a record
+back on every rank.
 
 Resuming at another world size: the model, optimizer, schedule, position and task state carry over
 unchanged and the data continues with the same global batches (see ``loader``); RNG streams belong to
@@ -36,6 +38,9 @@ class Position:
     step_in_epoch: int = 0
     elapsed_s: float = 0.0
     best: float | None = None
+    best_step: int | None = None  # the step whose checkpoint holds ``best`` (kept outside checkpoint.keep)
+    stale: int = 0  # evaluations in a row that did not beat ``best`` by more than eval.min_delta
+    evaluated: int = 0  # the step of the last evaluation completed (one abandoned on a stop is redone)
 
     def advance(self) -> None:
         self.step += 1
@@ -44,11 +49,18 @@ class Position:
     def next_epoch(self) -> None:
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
-    def improve(self, value: float | None, higher_is_better: bool) -> None:
+    def improve(self, value: float | None, higher_is_better: bool, min_delta: float = 0.0) -> bool:
+        """Take an evaluation's value of the task's metric: whether it is a new best. ``stale`` counts
+        the evaluations in a row that did not beat the best so far by more than ``min_delta``."""
+        self.evaluated = self.step
         if value is None:
-            return
-        if self.best is None or (value > self.best if higher_is_better else value < self.best):
-            self.best = value
+            return False
+        gain = None if self.best is None else (value - self.best if higher_is_better else self.best - value)
+        self.stale = 0 if gain is None or gain > min_delta else self.stale + 1
+        if gain is None or gain > 0:
+            self.best, self.best_step = value, self.step
+            return True
+        return False
 
 
 def gather(obj: Any, rank: int, world_size: int, group: Any) -> list[Any] | None:
@@ -83,6 +95,9 @@ def record(
         "finished": finished,
         "elapsed_s": elapsed_s,
         "best": pos.best,
+        "best_step": pos.best_step,
+        "stale": pos.stale,
+        "evaluated": pos.evaluated,
         "rng": rngs,
         "world_size": world_size,
     }
@@ -140,4 +155,8 @@ def resume(
         step_in_epoch=record["step_in_epoch"],
         elapsed_s=record["elapsed_s"],
         best=record["best"],
+        # checkpoints of earlier versions: the best's step unknown, no early-stopping count, nothing to redo
+        best_step=record.get("best_step"),
+        stale=record.get("stale", 0),
+        evaluated=record.get("evaluated", record["step"]),
     )

@@ -303,6 +303,14 @@ class AsyncCheckpointer:
             return None
         return self._collect()
 
+    def collect_durable(self) -> Path | None:
+        """The path of the write in flight once it is durable (logged, pruned, ``on_durable`` called), else
+        None. Never blocks and never raises: a failed write is left for ``wait`` (``failed`` says so)."""
+        w = self._write
+        if w is None or not w.done() or w.error is not None:
+            return None
+        return self._collect()
+
     def settle(self) -> None:
         """Nothing to wait for beside ``wait``: one rank writes the whole file (see ShardedCheckpointer.settle)."""
 
