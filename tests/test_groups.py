@@ -25,7 +25,7 @@ with group.distributed(env, "gloo", timeout_s=60) as (device, backend):
         said = "carried"
     except RuntimeError as exc:
         said = str(exc).splitlines()[0]
-    os.write(1, f"default group: {said}\n".encode())  # one write per line: the two ranks share the pipe
+    os.write(1, f"default group: {said}\\n".encode())  # one write per line: the two ranks share the pipe
     made = Groups.make(device)
     flag = torch.ones(1)
     dist.all_reduce(flag, group=made.host)
@@ -33,7 +33,7 @@ with group.distributed(env, "gloo", timeout_s=60) as (device, backend):
     dist.broadcast_object_list(out if env.rank else ["hello"], src=0, group=made.host)
     dist.all_reduce(flag, group=made.train)
     line = f"rank {env.rank}: host {flag.item()}, train group {made.train is not None}, same {made.train is made.host}"
-    os.write(1, f"{line}\n".encode())
+    os.write(1, f"{line}\\n".encode())
 """
 
 
