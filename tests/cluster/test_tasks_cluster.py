@@ -195,7 +195,8 @@ def test_sbatch_example_4_nodes_to_the_end(addition_jobs, slurm_cluster) -> None
     assert_completed(job, restarts=0)
     assert sorted(rank_hosts(job).values()) == sorted(slurm_cluster.nodes)
     start = job.rows("start")[0]
-    assert (start["world_size"], start["task"]) == (4, "examples/addition/task.py:Addition")
+    # The task file as the user named it (relative to the submit directory), recorded absolute.
+    assert (start["world_size"], start["task"]) == (4, f"{job.workdir}/examples/addition/task.py:Addition")
     final = job.rows("eval")[-1]
     assert final["test_samples"] == 256 and 0 <= final["accuracy"] <= 1, final
     assert len(checkpoint.load_latest(job.run_dir)["rng"]) == 4  # every rank's RNG streams
@@ -213,7 +214,7 @@ def test_sbatch_torchrun_minimal_task(line_job, slurm_cluster) -> None:
     job = result(line_job, "line_torchrun")
     assert_completed(job, restarts=0)
     start = job.rows("start")[0]
-    assert (start["world_size"], start["launcher"], start["task"]) == (4, "torchrun", "line_task.py:Line")
+    assert (start["world_size"], start["launcher"], start["task"]) == (4, "torchrun", f"{job.workdir}/line_task.py:Line")
     assert job.rows("eval")[-1]["mse"] < 0.1
     state = checkpoint.load_latest(job.run_dir)
     assert abs(state["model"]["weight"].item() - 3) < 0.3 and abs(state["model"]["bias"].item() - 1) < 0.3
