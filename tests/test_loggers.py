@@ -130,7 +130,10 @@ def test_two_launches_are_one_mlflow_run(two_launches: Path, monkeypatch: pytest
     assert [r.info.run_id for r in runs] == [ids["mlflow"]["run_id"]]  # one run, the one the file names
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.lr"] == "0.5" and run.data.params["task"] == f"{two_launches.parent.parent}/line_task.py:StoppingLine"
+    assert (
+        run.data.params["train.lr"] == "0.5"
+        and run.data.params["task"] == f"{two_launches.parent.parent}/line_task.py:StoppingLine"
+    )
     logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     expected = {r["step"]: r["loss"] for r in jsonl(two_launches) if r["kind"] == "train"}
     assert logged == pytest.approx(expected) and min(logged) == 4 and max(logged) == 24  # both launches

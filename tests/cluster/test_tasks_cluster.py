@@ -214,7 +214,11 @@ def test_sbatch_torchrun_minimal_task(line_job, slurm_cluster) -> None:
     job = result(line_job, "line_torchrun")
     assert_completed(job, restarts=0)
     start = job.rows("start")[0]
-    assert (start["world_size"], start["launcher"], start["task"]) == (4, "torchrun", f"{job.workdir}/line_task.py:Line")
+    assert (start["world_size"], start["launcher"], start["task"]) == (
+        4,
+        "torchrun",
+        f"{job.workdir}/line_task.py:Line",
+    )
     assert job.rows("eval")[-1]["mse"] < 0.1
     state = checkpoint.load_latest(job.run_dir)
     assert abs(state["model"]["weight"].item() - 3) < 0.3 and abs(state["model"]["bias"].item() - 1) < 0.3
