@@ -83,6 +83,19 @@ def absolute(spec: str) -> str:
     return f"{os.path.abspath(module_name)}:{attr}"
 
 
+def same(a: str, b: str) -> bool:
+    """Whether two task specs name the same task for a relaunch: the same import path, or a task file of the
+    same name and class wherever it lies (a project copied or moved with its runs, relaunched with
+    ``task=file.py:Name`` from its new place). Which code runs is the spec given now; the gate still checks
+    the model against the checkpoint."""
+    a, b = absolute(a), absolute(b)
+    if a == b:
+        return True
+    (file_a, _, name_a), (file_b, _, name_b) = a.rpartition(":"), b.rpartition(":")
+    is_file = file_a.endswith(".py") and file_b.endswith(".py")
+    return is_file and name_a == name_b and os.path.basename(file_a) == os.path.basename(file_b)
+
+
 def task_path(cls: type) -> str:
     """The import path the config records for a task class: ``package.module:Name``."""
     return f"{cls.__module__}:{cls.__qualname__}"

@@ -49,7 +49,7 @@ def incompatible_changes(old: Config, new: Config) -> list[str]:
     """Keys whose values differ in a way that would make a resumed run compute something else. ``old`` may be
     unresolved (read from a run): its task sections are then checked with ``new``'s task class (ConfigError
     when they do not fit it). Where ``new`` is unresolved too (a dry run), only the runtime's keys compare."""
-    if taskref.absolute(old.task) != taskref.absolute(new.task):  # a run made before files were recorded absolute
+    if not taskref.same(old.task, new.task):  # a run recorded before files were absolute, or moved since
         return [f"task: {old.task!r} -> {new.task!r}"]
     if new.resolved:
         old = loading.checked_with(old, type(new.task_config))
