@@ -352,3 +352,16 @@ def test_percent_metrics_must_be_a_tuple_of_names() -> None:
         percent_metrics = ()
 
     assert taskref.validate_class(Declared, "x.py:Declared") is Declared
+
+
+def test_a_task_file_of_the_same_name_and_class_is_the_same_task_wherever_it_lies(tmp_path: Path) -> None:
+    """A project copied or moved with its runs relaunches with ``task=file.py:Name`` from its new place: the
+    recorded absolute path of the old place names the same task (tests/test_checkpoint_gate.py resumes such a
+    copy); another class, another file name or an import path is another task."""
+    from ddp_slurm import taskref
+
+    assert taskref.same("/old/place/line.py:Line", "line.py:Line")
+    assert taskref.same("pkg.tasks:Line", "pkg.tasks:Line")
+    assert not taskref.same("/old/place/line.py:Line", "line.py:Other")
+    assert not taskref.same("/old/place/line.py:Line", "lines.py:Line")
+    assert not taskref.same("/old/place/line.py:Line", "line:Line")
