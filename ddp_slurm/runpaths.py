@@ -86,6 +86,16 @@ class RunPaths:
         return self.root / "lost_nodes"
 
     @property
+    def slow_nodes(self) -> Path:
+        """``slow_nodes``: hosts a run named slow, one line each, as ``lost_nodes`` (``slurm.exclude_slow``)."""
+        return self.root / "slow_nodes"
+
+    @property
+    def guard(self) -> Path:
+        """``guard.jsonl``: the guard's rollbacks and skipped steps, one JSON line each (``train/guard/``)."""
+        return self.root / "guard.jsonl"
+
+    @property
     def chain(self) -> Path:
         return self.root / "chain"
 

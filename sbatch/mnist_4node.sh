@@ -26,6 +26,10 @@
 #SBATCH --signal=USR2@120
 #   Allow the job to be put back in the queue (by the training itself or by a preemption).
 #SBATCH --requeue
+#   A node that fails does not end the job: Slurm drops it from the allocation, and the training step
+#   is launched again on the nodes left, from the newest checkpoint (slurm.restarts times; past that,
+#   or when this script's own node is lost, the job is requeued without the lost node).
+#SBATCH --no-kill
 #   A requeued job appends to its log instead of overwriting the first run's output.
 #SBATCH --open-mode=append
 #   The log: <job name>-<job id>.out in the directory sbatch was run from (which always exists;
@@ -104,12 +108,14 @@ mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")" || true  # the dump goe
 # One line about the job at the top of every run (a requeued job appends a new one).
 echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s): ${SLURM_JOB_NODELIST}; python ${PYTHON}; config ${CONFIG}; started $(date '+%F %T')"
 
-# srun starts one task per allocated slot (nodes x ntasks-per-node); each becomes one rank and reads
-# its rank and the rendezvous address from Slurm's variables.
-# --kill-on-bad-exit=1: if one rank fails, stop all of them at once instead of leaving the others
-#   waiting in a collective until a timeout.
-# --cpus-per-task: spelled out because srun of some Slurm versions (22.05) ignores the job's value.
-srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+# srun starts one task per slot (nodes x ntasks-per-node); each becomes one rank and reads its rank and
+# the rendezvous address from Slurm's variables. --kill-on-bad-exit=1: if one rank fails, stop all of
+# them at once instead of leaving the others waiting in a collective until a timeout. --cpus-per-task:
+# spelled out because srun of some Slurm versions (22.05) ignores the job's value.
+# The step runs through ddp_slurm.launch.supervise, which calls srun as above on the job's nodes and, when
+#   a node is lost, launches it again on the nodes left (one log line says so); a launch that fails before
+#   training begins (a node refusing it for a second) is tried again. Anything else ends the job.
+"$PYTHON" -m ddp_slurm.launch.supervise -- \
     "$PYTHON" -m ddp_slurm.train ${CONFIG:+--config} ${CONFIG:+"$CONFIG"} "$@"
 status=$?
 # 0: finished. 75: stopped on the signal after a checkpoint (the job is already requeued when

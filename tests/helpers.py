@@ -148,3 +148,11 @@ def two_ranks(script: Path, tmp_path: Path, *extra: str, timeout: float = 300) -
         assert p.returncode == 0, output
     r0, r1 = (json.loads(path.read_text()) for path in out)
     return r0, r1
+
+
+def resume(run_dir: Path, *args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``ddp-slurm resume RUN_DIR ARGS...`` from the folder holding ``runs/`` (its output is captured)."""
+    cmd = [sys.executable, "-m", "ddp_slurm.resume", str(run_dir), *map(str, args)]
+    return subprocess.run(
+        cmd, cwd=run_dir.parent.parent, env=env or base_env(), capture_output=True, text=True, timeout=600
+    )

@@ -4,6 +4,7 @@ through torchrun (DDP's ``no_sync`` path at 2 ranks), a stop signal and an exact
 
 from __future__ import annotations
 
+import json
 import signal
 import textwrap
 from collections.abc import Iterator
@@ -13,10 +14,11 @@ import helpers
 import pytest
 import test_resume
 import torch
+from conftest import Launcher
 from test_resume import Launch, assert_resumed_from, assert_stopped, run_to_end, start
 from torch import nn
 
-from ddp_slurm.config import ConfigError, TrainConfig, check_world_size, from_dict
+from ddp_slurm.config import ConfigError, TrainConfig, accumulation, check_world_size, from_dict
 from ddp_slurm.train import accumulate, checkpoint, step
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 
@@ -171,6 +173,31 @@ def test_a_batch_that_does_not_split_is_refused_in_one_line() -> None:
         from_dict({"train": {"accumulate": 0}})
     with pytest.raises(ConfigError, match="train.grad_clip"):
         from_dict({"train": {"grad_clip": -1.0}})
+
+
+def test_a_micro_batch_size_chooses_the_accumulation_for_each_world_size() -> None:
+    """train.micro_batch_size: any node count keeps the global batch and each rank's micro-batch, or is refused."""
+    cfg = from_dict({"train": {"global_batch_size": 48, "micro_batch_size": 8}})
+    assert [accumulation(cfg, world) for world in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    with pytest.raises(
+        ConfigError, match=r"does not split into 4 rank\(s\) x micro-batches of train.micro_batch_size=8"
+    ):
+        check_world_size(cfg, 4)
+    with pytest.raises(ConfigError, match="leave train.accumulate at 1"):
+        accumulation(from_dict({"train": {"micro_batch_size": 8, "accumulate": 2}}), 1)
+
+
+def test_a_run_with_a_micro_batch_size_says_which_accumulation_it_chose(tmp_path: Path) -> None:
+    launcher = Launcher(tmp_path)
+    run = ["model.name=mlp", "train.max_steps=6", "train.global_batch_size=48", "train.micro_batch_size=8"]
+    for nproc in (1, 3):
+        cmd = (
+            launcher.cmd_train(*run, "run.name=one") if nproc == 1 else launcher.cmd_torchrun(3, *run, "run.name=three")
+        )
+        launcher.run(cmd, check=True)
+    for name, want in (("one", 6), ("three", 2)):
+        rows = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["accumulate"] for r in rows if r["kind"] == "start"] == [want]
 
 
 def test_accumulate_trains_as_well_resumes_exactly_and_logs_the_norm(launches: list[Launch], tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
-from conftest import Launcher, run_bounded
+from conftest import Launcher, base_env, run_bounded
 
 from ddp_slurm import safefs
 from ddp_slurm.distributed.watchdog import PeerLost, Watchdog
@@ -115,3 +116,24 @@ def test_a_host_that_is_not_a_slurm_name_is_neither_recorded_nor_read_back(tmp_p
         f.write("node 4\t41\t1\t-\t0\tplanted\n")
     with pytest.raises(safefs.UnsafePath, match=r"lost_nodes line 2: 'node 4' is not a Slurm host name"):
         badnodes.excluded(tmp_path)
+
+
+# --------------------------------------------------------------------------- a step of the batch script's supervisor
+@pytest.mark.parametrize(("supervisor", "requeued"), [(None, True), ("node1", False), ("node3", True)])
+def test_in_a_supervised_step_the_survivor_leaves_the_lost_node_to_the_supervisor(
+    tmp_path: Path, launcher: Launcher, supervisor: str | None, requeued: bool
+) -> None:
+    """The batch script relaunches inside the allocation (launch/supervise.py): the survivor records the lost
+    node and requeues nothing, unless the node lost is the supervisor's own (it died with it)."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol-calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = base_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    if supervisor:
+        env["DDP_SLURM_SUPERVISED"] = supervisor
+    (tmp_path / "r").mkdir()
+    res = launcher.run([sys.executable, "-c", SURVIVOR, str(tmp_path)], timeout=60, env=env)
+    assert res.returncode == 0 and res.stdout == "went on\n", res.stderr
+    assert badnodes.excluded(tmp_path / "r") == ["node3"]
+    assert helpers.requeue_calls(calls) == (["requeue 41"] if requeued else []), res.stderr

@@ -701,9 +701,13 @@ def test_unresolvable_master_addr() -> None:
 
 
 # ------------------------------------------------------------------- real processes
+# Leaves through exit_now, as every entry point that may have joined a process group does: a rendezvous
+# helper thread still inside torch's C++ (a connect retrying past the deadline on a loaded machine) would
+# otherwise be ended under interpreter finalization, which aborts the process (-6) after its line.
 WORKER = """
 import os, sys, time, torch, torch.distributed as dist
 from ddp_slurm.bootstrap import BootstrapError, DistEnv, RendezvousError, distributed
+from ddp_slurm.exitcodes import exit_now
 env = DistEnv.from_environ(os.environ)
 start = time.monotonic()  # after the slow imports: time the rendezvous alone
 try:
@@ -714,7 +718,8 @@ try:
 except (BootstrapError, RendezvousError) as exc:
     print(f"ERR {type(exc).__name__}: {exc}", flush=True)
     print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
-    sys.exit(3)
+    exit_now(3)
+exit_now(0)
 """
 
 

@@ -154,6 +154,12 @@ def test_pruning_spares_the_best_beside_the_newest(run: Path) -> None:
     judge = gate.Gate(backend, paths, []).judge_summary
     newest, best = folder / f"step-{steps[-1]}", folder / f"step-{steps[0]}"
     listing.prune(
-        backend.candidates(paths), 1, newest, summary_of=backend.summary, judge=judge, remove=sharded.remove, spare=best
+        backend.candidates(paths),
+        1,
+        newest,
+        summary_of=backend.summary,
+        judge=judge,
+        remove=sharded.remove,
+        spare=[best],
     )
     assert sorted(p.name for p in folder.iterdir()) == sorted({newest.name, best.name})

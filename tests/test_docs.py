@@ -46,6 +46,10 @@ SUBMIT_CLUSTER = "tests/cluster/test_submit_cluster.py"
 TASKS_CLUSTER = "tests/cluster/test_tasks_cluster.py"
 WHEEL = "tests/cluster/test_wheel_cluster.py::test_wheel_init_then_sbatch"
 CLAIMED = {
+    "python -m ddp_slurm.train guard.rollbacks=3": (
+        "tests/test_guard.py::test_a_quiet_run_of_the_examples_is_never_flagged",
+        '"guard.rollbacks=3"',
+    ),
     "make run": ("tests/test_docs.py::test_make_run", '"run"'),
     "make test": (".ci/run", "make test"),
     "make run TORCH=cpu": ("tests/test_docs.py::test_make_with_another_torch_build_redoes_the_install", '"TORCH=cpu"'),

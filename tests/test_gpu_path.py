@@ -104,14 +104,20 @@ def _watched(stderr: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "graphs, precision", [(False, "fp32"), (True, "fp32"), (False, "fp16")], ids=["eager", "cuda_graphs", "fp16"]
+    "graphs, precision, guard",
+    [(False, "fp32", 0), (True, "fp32", 0), (False, "fp16", 0), (False, "fp32", 3)],
+    ids=["eager", "cuda_graphs", "fp16", "guard"],
 )
-def test_the_real_loop_never_synchronises_between_boundaries(launcher: Launcher, graphs: bool, precision: str) -> None:
+def test_the_real_loop_never_synchronises_between_boundaries(
+    launcher: Launcher, graphs: bool, precision: str, guard: int
+) -> None:
     """``python -m ddp_slurm.train`` itself (vote, loss window, progress, watchdog, checkpoints every 25
     steps, two epochs with evaluation) under set_sync_debug_mode("error") from its 3rd step on, switched
     off only around log lines, saves and evaluations (DDP_SLURM_SYNC_DEBUG, train/hooks/syncdebug.py): any
     synchronising call in a steady step raises and the run fails. Eagerly, with train.cuda_graphs, and with
-    train.precision=fp16 (the gradient scaler decides its skips on the device with the fused optimizer)."""
+    train.precision=fp16 (the gradient scaler decides its skips on the device with the fused optimizer), and
+    with the guard on (guard.rollbacks=3: its loss and gradient trace stay on the device, the mean loss rides
+    the stop vote)."""
     res = launcher.run(
         launcher.cmd_train(
             "model.name=cnn",
@@ -120,7 +126,8 @@ def test_the_real_loop_never_synchronises_between_boundaries(launcher: Launcher,
             "checkpoint.every_steps=25",
             f"train.cuda_graphs={str(graphs).lower()}",
             f"train.precision={precision}",
-            f"run.name=nosync-{graphs}-{precision}",
+            f"guard.rollbacks={guard}",
+            f"run.name=nosync-{graphs}-{precision}-{guard}",
         ),
         env=base_env(DDP_SLURM_SYNC_DEBUG="error"),
         timeout=300,

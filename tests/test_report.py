@@ -112,7 +112,7 @@ def test_report_of_a_resumed_run(resumed_run, tmp_path):
     assert f"run {resumed_run}: finished at step 156, world size 1" in out
     assert f"test accuracy: final {100 * want['final']:.2f}% (step 156), best {100 * want['best']:.2f}%" in out, out
     assert (
-        f"wall time: {want['time']:.1f} s of training; 3 launch(es), 2 restart(s), 0 Slurm requeue(s), 1 stop signal(s)"
+        f"wall time: {want['time']:.1f} s of training; 3 launch(es), 2 restart(s) (0 inside the allocation after a lost node), 0 Slurm requeue(s), 1 stop signal(s)"
     ) in out, out
     assert f"throughput: mean {want['mean']:,.0f} samples/s over {want['windows']} logged windows" in out, out
     assert want["windows"] == 156 // 5
@@ -134,7 +134,10 @@ def test_report_of_a_run_still_going(resumed_run, tmp_path):
     last = json.loads(lines[upto - 1])
     assert f"running or interrupted, last line at step {last['step']}" in res.stdout
     assert "test accuracy: no evaluation yet" in res.stdout
-    assert "2 launch(es), 1 restart(s), 0 Slurm requeue(s), 1 stop signal(s)" in res.stdout
+    assert (
+        "2 launch(es), 1 restart(s) (0 inside the allocation after a lost node), 0 Slurm requeue(s), 1 stop signal(s)"
+        in res.stdout
+    )
 
 
 def test_report_needs_a_run_directory(tmp_path):
@@ -205,3 +208,115 @@ def test_an_early_stop_and_the_best_evaluation_are_shown(tmp_path: Path) -> None
     summary = sweep.summarize(run_dir)
     assert (summary.status, summary.early_stop, summary.best) == ("finished", 12, 0.2)
     assert "stopped early at 12" in sweep.format_table([summary])
+
+
+def guarded_run(run_dir: Path, verdict: dict) -> Path:
+    """A guarded run's metrics.jsonl as the guard writes it: a spike flagged at step 9, rolled back to the
+    checkpoint of step 5, replayed to step 9 (`verdict`: the replay line's own fields), and on to step 12.
+    Step 8 is logged by the first pass (its loss already rising), by the replay and, after a skip, once more;
+    the first pass evaluated at step 8 too."""
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("train:\n  global_batch_size: 32\n")
+    at = {"epoch": 0, "time_s": 0.6}
+    why = "loss 7.501e+05 is 27016029.6 deviations above its running mean 0.7619"
+    rows = [
+        {"kind": "start", "step": 0, **at, "best_metric": "loss", "higher_is_better": False},
+        *({"kind": "train", "step": s, **at, "loss": 1.0 / s} for s in range(1, 8)),
+        {"kind": "train", "step": 8, **at, "loss": 500.0},
+        {"kind": "eval", "step": 8, **at, "loss": 400.0, "test_samples": 100},
+        {"kind": "rollback", "step": 9, **at, "to": 5, "why": why, "suspect": [9, 9], "rollback": 1},
+        *({"kind": "train", "step": s, **at, "loss": 2.0 / s} for s in (6, 7, 8)),
+        {"kind": "replay", "step": 9, **at, "suspect": [9, 9], "first": "d36f", "replay": "d36f", "steps": 4} | verdict,
+    ]
+    if verdict["verdict"] == "reproduced":  # back to step 5 again; step 9 is skipped: no line of its own
+        rows.append({"kind": "skip", "step": 9, **at, "steps": [9, 9], "samples": [256, 288]})
+        rows += ({"kind": "train", "step": s, **at, "loss": 3.0 / s} for s in (6, 7, 8, 10, 11, 12))
+    else:  # the replay's values stand: on from step 9
+        rows += ({"kind": "train", "step": s, **at, "loss": 3.0 / s} for s in (9, 10, 11, 12))
+    rows.append({"kind": "end", "step": 12, **at})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_a_rollback_whose_replay_reproduced_it(tmp_path: Path) -> None:
+    """Bad data: the summary names the rollback, the replay's verdict and the steps (and samples) skipped; the
+    lines a rollback or a skip superseded are gone (step 8 three times: the latest stands); the figure marks the rollback and shades the skipped step, once in its legend."""
+    from ddp_slurm.tools import figures, history, report
+
+    run_dir = guarded_run(tmp_path / "bad-data", {"verdict": "reproduced"})
+    run = history.read_history(run_dir)
+    text = report.summary(run)
+    assert (
+        "rollback 1 at step 9 (loss 7.501e+05 is 27016029.6 deviations above its running mean 0.7619): back to "
+        "step 5; replay reproduced it: skipped step 9 (samples 256-287)"
+    ) in text.splitlines(), text
+    losses = {r["step"]: r["loss"] for r in run.train}
+    assert losses[8] == 3.0 / 8 and losses[5] == 1.0 / 5, losses  # step 5: the checkpoint gone back to
+    assert sorted(losses) == [s for s in range(1, 13) if s != 9]
+    assert run.evals == []  # step 8's evaluation belonged to the pass the rollback undid
+    fig = figures.build_run(run, "bad data")
+    ax_loss = fig.axes[0]
+    labels = [h.get_label() for h in ax_loss.get_legend_handles_labels()[0]]
+    assert labels.count("guard rollback") == 1 and labels.count("skipped steps") == 1, labels
+    (marker,) = [line for line in ax_loss.get_lines() if line.get_label() == "guard rollback"]
+    assert list(marker.get_xdata()) == [run.samples(9)]
+    (span,) = [p for p in ax_loss.patches if p.get_label() == "skipped steps"]
+    xs = span.get_patch_transform().transform(span.get_path().vertices)[:, 0]  # a Polygon or a Rectangle
+    assert (min(xs), max(xs)) == (run.samples(8), run.samples(9))  # step 9's whole batch
+    figures.plot_run(run, run_dir / "report.png", "bad data")
+    check_png(run_dir / "report.png")
+
+
+def test_a_rollback_whose_replay_did_not_reproduce_it(tmp_path: Path) -> None:
+    """A faulty rank: the summary names it and its host; nothing was skipped, the replay's values stand."""
+    from ddp_slurm.tools import figures, history, report
+
+    verdict = {"verdict": "not reproduced", "ranks": [1], "hosts": ["node2"], "at": 12}
+    run = history.read_history(guarded_run(tmp_path / "fault", verdict))
+    text = report.summary(run)
+    assert (
+        "rollback 1 at step 9 (loss 7.501e+05 is 27016029.6 deviations above its running mean 0.7619): back to "
+        "step 5; replay did not reproduce it: rank 1 (host node2) computed differently at step 12"
+    ) in text.splitlines(), text
+    losses = {r["step"]: r["loss"] for r in run.train}
+    assert losses[8] == 2.0 / 8 and losses[6] == 2.0 / 6, losses  # the replay's line, not the first pass's
+    fig = figures.build_run(run, "fault")
+    labels = [h.get_label() for h in fig.axes[0].get_legend_handles_labels()[0]]
+    assert "guard rollback" in labels and "skipped steps" not in labels, labels
+    figures.plot_run(run, run.run_dir / "report.png", "fault")
+    check_png(run.run_dir / "report.png")
+
+
+def test_a_rollback_without_a_verdict_and_a_guard_line_of_another_program(tmp_path: Path) -> None:
+    """A run stopped during its replay says so; a rollback line without the step it went back to is refused
+    with the line that shows it (the history could not be resolved without it)."""
+    from ddp_slurm.tools import history, report
+
+    run_dir = tmp_path / "stopped"
+    run_dir.mkdir()
+    rows = [
+        {"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0},
+        {"kind": "rollback", "step": 9, "epoch": 0, "time_s": 0.6, "to": 5, "why": "loss is nan", "rollback": 2},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert (
+        "rollback 2 at step 9 (loss is nan): back to step 5; no replay verdict (still replaying, or stopped "
+        "before the replay's end)"
+    ) in report.summary(history.read_history(run_dir))
+    rows[1].pop("to")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(history.ReportError, match=r"metrics.jsonl line 2: 'to' is None, expected an integer"):
+        history.read_history(run_dir)
+
+
+def test_a_relaunch_inside_the_allocation_is_counted(resumed_run, tmp_path):
+    """The batch script's supervisor relaunched the step after a lost node: its start line says so."""
+    moved = tmp_path / "moved"
+    shutil.copytree(resumed_run, moved)
+    lines = (moved / "metrics.jsonl").read_text().splitlines()
+    second = [i for i, line in enumerate(lines) if '"kind": "start"' in line][1]
+    lines[second] = json.dumps(json.loads(lines[second]) | {"restart_in_allocation": 1})
+    (moved / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    res = report(moved, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "2 restart(s) (1 inside the allocation after a lost node)" in res.stdout, res.stdout

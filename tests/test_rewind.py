@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tasks_helpers
 import torch
 from conftest import Launcher, base_env
+from helpers import resume
 
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import checkpoint
@@ -32,13 +32,6 @@ def copy_of(finished: Path, tmp_path: Path) -> Path:
     run_dir = tmp_path / "runs" / "line"
     shutil.copytree(finished, run_dir, symlinks=True)
     return run_dir
-
-
-def resume(run_dir: Path, *args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ddp_slurm.resume", str(run_dir), *map(str, args)]
-    return subprocess.run(
-        cmd, cwd=run_dir.parent.parent, env=env or base_env(), capture_output=True, text=True, timeout=600
-    )
 
 
 def names(folder: Path) -> list[str]:

@@ -134,7 +134,8 @@ def test_dry_run_takes_defaults_from_the_config_and_flags_win(launcher: Launcher
 
 def test_resource_flags_are_made_from_the_slurm_sections_fields() -> None:
     """One declaration per key: each slurm.* field is a flag (its docstring the help, its check the check),
-    with the spellings users have; requeue (on by default) and requeue_mode (submit jobs never chain) are not."""
+    with the spellings users have; requeue (on by default) and requeue_mode (submit jobs never chain) are not, nor
+    the keys of the batch script's relaunch and of naming slow nodes."""
     from ddp_slurm.config import SlurmConfig
     from ddp_slurm.launch import flags, submit
 
@@ -142,7 +143,10 @@ def test_resource_flags_are_made_from_the_slurm_sections_fields() -> None:
     for name in ("-N", "--nodes", "--tasks-per-node", "--ntasks-per-node", "--signal-delay", "--time", "--exclusive"):
         assert name in spelled, name
     fields = {f.name for f in dataclasses.fields(SlurmConfig)}
-    assert {f.dest for f in flags.FLAGS} == fields - {"requeue", "requeue_mode"}
+    # keys of the batch script's supervisor and the runtime's slow-node judgement: KEY=VALUE, not submit flags
+    # (submit jobs are not relaunched inside their allocation)
+    own = {"restarts", "spare_nodes", "slow_factor", "slow_windows", "exclude_slow"}
+    assert {f.dest for f in flags.FLAGS} == fields - {"requeue", "requeue_mode"} - own
     for flag in flags.FLAGS:
         assert spelled[flag.spellings[0]].help == flag.help and flag.help.endswith(f"(slurm.{flag.dest})")
     assert "one per GPU" in spelled["--tasks-per-node"].help  # the field's docstring

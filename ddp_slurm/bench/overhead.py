@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pairs", type=flags.count(), default=3, help="ddp_slurm/bare pairs (default 3)")
     p.add_argument("--cuda-graphs", action="store_true", help="ddp_slurm with train.cuda_graphs=true")
+    p.add_argument(
+        "--guard",
+        action="store_true",
+        help="also ddp_slurm with the guard on (guard.rollbacks=3: its trace and spike statistics), in each pair",
+    )
 
 
 def _repeats(steps: int, batch: int) -> int:
@@ -72,12 +77,15 @@ class LongSample(MNIST):
         return None
 
 
-def ddp_slurm_loop(args: argparse.Namespace, steps: int, root: Path, index: int, device: torch.device) -> float:
-    """samples/s of one ``ddp_slurm.run`` (train rows after the first, saves included)."""
+def ddp_slurm_loop(
+    args: argparse.Namespace, steps: int, root: Path, index: int, device: torch.device, guard: bool = False
+) -> float:
+    """samples/s of one ``ddp_slurm.run`` (train rows after the first, saves included); ``guard``: on."""
     import ddp_slurm
 
-    name = f"overhead-{index}"
+    name = f"overhead-{index}{'-guard' if guard else ''}"
     overrides = [
+        f"guard.rollbacks={3 if guard else 0}",
         f"model.name={args.model}",
         f"train.global_batch_size={args.batch}",
         f"train.max_steps={steps + LOG_EVERY}",
@@ -142,13 +150,17 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     flags.check_memory(f"--steps {steps} --batch {args.batch}", 3 * repeats * sample)
     os.environ["DDP_SLURM_BENCH_REPEATS"] = str(repeats)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the runtime sets its threads from it, as under a launcher
-    ours, bare, ratios = [], [], []
+    ours, guarded, bare, ratios, guard_ratios = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="ddp_slurm-overhead-") as tmp:
         for i in range(args.pairs):
             ours.append(ddp_slurm_loop(args, steps, Path(tmp), i, device))
+            if args.guard:
+                guarded.append(ddp_slurm_loop(args, steps, Path(tmp), i, device, guard=True))
             torch.set_num_threads(threads)
             bare.append(bare_loop(args.model, args.batch, steps, repeats, device))
             ratios.append(ours[-1] / bare[-1])
+            if args.guard:
+                guard_ratios.append(guarded[-1] / bare[-1])
     payload = common.header(
         "overhead",
         device,
@@ -158,7 +170,12 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         steps=steps,
         pairs=args.pairs,
         cuda_graphs=args.cuda_graphs,
+        guard=args.guard,
     )
+    if args.guard:
+        payload["guarded_samples_per_s"] = common.summary(guarded)
+        payload["guard_ratio_per_pair"] = common.summary(guard_ratios)
+        payload["guard_ratio"] = common.summary(guard_ratios)["median"]
     payload.update(
         {
             "ddp_slurm_samples_per_s": common.summary(ours),
@@ -179,11 +196,17 @@ def render(p: dict[str, Any]) -> str:
     )
     rows = [
         [ours, *common.fmt_spread(p["ddp_slurm_samples_per_s"])],
+        *([[f"{ours} + guard", *common.fmt_spread(p["guarded_samples_per_s"])]] if q.get("guard") else []),
         ["bare PyTorch loop", *common.fmt_spread(p["bare_samples_per_s"])],
     ]
     r = p["ratio_per_pair"]
     notes = [
         f"ratio {p['ratio']:.3f} (median over pairs of ddp_slurm / bare samples/s; {r['min']:.3f}-{r['max']:.3f})",
+        *(
+            [f"guard ratio {p['guard_ratio']:.3f} (the same with guard.rollbacks=3; the gap to ratio is its cost)"]
+            if q.get("guard")
+            else []
+        ),
         "ddp_slurm: the whole runtime (vote, loss window, progress, watchdog, a checkpoint every 100 steps), "
         "rate from its own metrics rows after the first; bare: the same model, data, Adam and schedule by hand",
         f"load average {p['machine']['load_average_1m']}",

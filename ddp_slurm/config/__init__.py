@@ -25,6 +25,7 @@ from ddp_slurm.config.files import (
 )
 from ddp_slurm.config.loading import (
     CONTROL,
+    accumulation,
     check_world_size,
     checked_with,
     from_dict,
@@ -69,6 +70,7 @@ __all__ = [
     "TrainConfig",
     "changed_config",
     "changes_from",
+    "accumulation",
     "check_world_size",
     "checked",
     "checked_with",

@@ -322,6 +322,25 @@ def read_resolved(path: Path) -> Config:
         raise damaged(exc) from None
 
 
+def accumulation(cfg: Config, world: int, how: str = "") -> int:
+    """Micro-batches per optimizer step at world size ``world``: ``train.accumulate``, or with
+    ``train.micro_batch_size`` the count that keeps the global batch; ConfigError (exit 2) when the global
+    batch does not split so. The one home of the rule (train, submit, the batch script's relaunch)."""
+    g, micro, n = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.accumulate
+    if micro is not None:
+        if n != 1:
+            raise ConfigError(
+                f"train.micro_batch_size={micro} chooses the accumulation: leave train.accumulate at 1, not {n}"
+            )
+        if g % (world * micro):
+            raise ConfigError(
+                f"train.global_batch_size={g} does not split into {world} rank(s) x micro-batches of "
+                f"train.micro_batch_size={micro}{how}: choose a global batch that is a multiple of {world * micro}"
+            )
+        return g // (world * micro)
+    return n
+
+
 def check_world_size(cfg: Config, world: int, how: str = "") -> None:
     """The global batch must split evenly over the ranks (train and submit both check it before any work)."""
     g = cfg.train.global_batch_size
@@ -329,7 +348,7 @@ def check_world_size(cfg: Config, world: int, how: str = "") -> None:
         raise ConfigError(
             f"train.global_batch_size={g} is not divisible by the world size {world}{how}: choose a multiple of {world}"
         )
-    n = cfg.train.accumulate
+    n = accumulation(cfg, world, how)
     if g % (world * n):
         raise ConfigError(
             f"train.global_batch_size={g} does not split into {world} rank(s) x train.accumulate={n} micro-batches"

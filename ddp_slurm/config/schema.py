@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from ddp_slurm import errors, slurm_time, taskref
+from ddp_slurm import errors, skips, slurm_time, taskref
 from ddp_slurm.config.unchecked import Unchecked
 from ddp_slurm.runpaths import RunPaths
 
@@ -47,6 +47,11 @@ def _slurm_time(v: str) -> bool:
     """True, or ValueError saying what is wrong (``'0' is no time at all``): a flag's message says why."""
     slurm_time.minutes(v)
     return True
+
+
+def _skips(v: str) -> bool:
+    """True, or ValueError saying what is wrong with a list of skipped steps (``skips.parse``)."""
+    return skips.parse(v) is not None
 
 
 def _size(v: str) -> bool:
@@ -158,6 +163,13 @@ class TrainConfig:
     """Micro-batches per optimizer step: each rank's share of ``global_batch_size`` is split into this many,
     and gradients cross ranks only after the last one under ddp; under fsdp each one reduce-scatters into the
     sharded gradient (docs/scaling.md). Steps, checkpoints and stops count optimizer steps."""
+    micro_batch_size: int | None = checked(
+        None, check=lambda v: v is None or v >= 1, expected="null or an integer >= 1"
+    )
+    """Samples per rank per micro-batch. Set, each launch chooses the accumulation itself:
+    ``global_batch_size / (world size x micro_batch_size)`` micro-batches per step, so that a job on any number
+    of nodes (``sbatch --nodes=2-4``, a relaunch on the nodes left) keeps the global batch and the per-rank
+    micro-batch; a world size it does not divide is refused (exit 2). Leave ``accumulate`` at 1 with it."""
     cuda_graphs: bool = False
     """Capture the whole step (forward, backward, optimizer; the schedule's rate in a device tensor) once
     as a CUDA graph and replay it: for small models, whose kernels take less time than launching them.
@@ -202,6 +214,32 @@ class EvalConfig:
     and the best value are part of every checkpoint, so a requeued run stops where one left alone would."""
     min_delta: float = checked(0.0, check=lambda v: v >= 0, expected="a number >= 0")
     """How much an evaluation must beat the best value so far by to count as an improvement (early stopping)."""
+
+
+@dataclass
+class GuardConfig:
+    RESUMABLE: ClassVar[bool] = True  # turned on, off or widened between launches; skips only drop data
+
+    rollbacks: int = checked(0, check=lambda v: v >= 0, expected="an integer >= 0")
+    """Rollbacks a run may make on a loss spike or a non-finite loss (0: the guard is off, and a non-finite loss
+    stops the run, exit 1). Each goes back to the newest checkpoint before the suspect steps, replays them to
+    tell bad data (skipped) from a faulty rank (named), and goes on; one more than this is exit 1. docs/guard.md."""
+    spike: float | None = checked(10.0, check=lambda v: v is None or v > 0, expected="null or a number > 0")
+    """A step's loss (the mean over ranks) counts as a spike when it exceeds the running mean by this many times
+    the running mean absolute deviation (null: only a non-finite loss is detected). With ``rollbacks`` > 0."""
+    warmup: int = checked(100, check=lambda v: v >= 1, expected="an integer >= 1")
+    """Steps whose losses only feed the running statistics before spikes are judged (early losses fall fast)."""
+    window: int = checked(100, check=lambda v: v >= 2, expected="an integer >= 2")
+    """The running statistics' horizon in steps (an exponential average with weight 2/(window+1))."""
+    suspect_steps: int = checked(1, check=lambda v: v >= 1, expected="an integer >= 1")
+    """Steps, ending at the flagged one, whose data is suspect: no rollback lands inside them, and a replay
+    that reproduces the spike skips them all."""
+    skip: str | None = checked(
+        None, check=lambda v: v is None or bool(_skips(v)), expected="null or step ranges like '1201-1400,1650'"
+    )
+    """Steps whose batches are never trained on, by hand (the guard adds its own): ``first-last`` ranges and
+    single steps, comma-separated, as the log counts steps. A skipped step moves the data on without an
+    update; every other step keeps its batch."""
 
 
 @dataclass
@@ -272,11 +310,26 @@ class SlurmConfig:
     """How a stopped job continues: ``requeue`` (``scontrol requeue``), ``chain`` (a successor job with
     ``--dependency=afterany`` on this one, for sites that forbid requeueing), ``auto`` (requeue, and chain
     when Slurm refuses it). sbatch-script jobs only chain; ``submit`` jobs are resubmitted by hand."""
+    spare_nodes: int = checked(0, check=lambda v: v >= 0, expected="an integer >= 0", flags=())
+    """Nodes of the project's sbatch script's allocation kept out of training until one is lost (ask sbatch for
+    that many more): a relaunch after a lost node then runs on as many nodes as before."""
+    slow_factor: float = checked(2.0, check=lambda v: v > 1, expected="a number > 1", flags=())
+    """A rank whose compute time per step (its forward) exceeds this many times the other ranks' median, log
+    window after log window, is named slow with its host (``<run dir>/slow_nodes``)."""
+    slow_windows: int = checked(5, check=lambda v: v >= 1, expected="an integer >= 1", flags=())
+    """Log windows in a row (``train.log_every_steps`` steps each) a rank must be slow before it is named."""
+    exclude_slow: bool = checked(False, flags=())
+    """Leave the nodes named slow out of the next requeue, relaunch inside the allocation and submit, like lost
+    nodes (off: named only)."""
+    restarts: int = checked(3, check=lambda v: v >= 0, expected="an integer >= 0", flags=())
+    """Relaunches of the training step inside the allocation after a lost node (the project's sbatch script:
+    ``--no-kill`` keeps the allocation, the step runs again on the nodes left, same job, no queue wait); past
+    them a lost node requeues the job as before (0: always requeue). docs/faults.md."""
     max_requeues: int = checked(20, check=lambda v: v >= 0, expected="an integer >= 0")
     """Cap on requeues (``SLURM_RESTART_COUNT``); beyond it the job stops with a message instead of looping."""
 
 
-RUNTIME_SECTIONS = ("run", "train", "eval", "checkpoint", "dist", "slurm", "log")
+RUNTIME_SECTIONS = ("run", "train", "eval", "checkpoint", "guard", "dist", "slurm", "log")
 """Sections every task shares; a task's own sections are the fields of its ``Config`` dataclass."""
 
 
@@ -300,6 +353,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -86,8 +86,22 @@ class Watchdog:
     def start(self) -> Watchdog:
         self._op("set", f"info/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         self._beat()
+        if self.rank != 0:
+            self._learn_rank0(wait_s=2.0)
         self._thread.start()
         return self
+
+    def _learn_rank0(self, wait_s: float) -> None:
+        """Rank 0's host and pid, read now, while its store lives: a rank 0 killed within the first heartbeat
+        interval took its store along, and the survivor could name it only by the store's address."""
+        deadline = time.monotonic() + wait_s
+        while self._rank0 is None:
+            if self._op("check", ["info/0"]):
+                self._rank0 = self._op("get", "info/0").decode()
+            elif time.monotonic() >= deadline:
+                return  # rank 0 starts its watchdog late (or not at all): the heartbeat thread keeps looking
+            else:
+                time.sleep(0.02)
 
     def progress(self, step: int) -> None:
         """Called by the training thread at every step: the heartbeat then tells where this rank is."""

@@ -129,7 +129,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         )
     extra = parse_sbatch_options(getattr(args, "sbatch", None) or [])
     setup = list(getattr(args, "setup", None) or [])
-    return Plan(cfg, tasks, runs, root, bool(args.sweep), extra, setup, [] if args.sweep else _lost(root))
+    return Plan(
+        cfg,
+        tasks,
+        runs,
+        root,
+        bool(args.sweep),
+        extra,
+        setup,
+        [] if args.sweep else _lost(root, cfg.slurm.exclude_slow),
+    )
 
 
 def _runs(args: argparse.Namespace, cfg: Config, root: Path, head: list[str], base: list[str]) -> list[PlannedRun]:
@@ -163,11 +172,12 @@ def _changes(saved: Path, run_cfg: Config) -> list[str]:
         raise config.damaged(exc) from None
 
 
-def _lost(run_dir: Path) -> list[str]:
-    """The hosts a run lost a rank on, to be excluded from its resubmission; UsageError for a lost_nodes that
-    is not a file this program wrote (nothing from it may reach sbatch)."""
+def _lost(run_dir: Path, slow: bool) -> list[str]:
+    """The hosts a run lost a rank on (and, with ``slow``: ``slurm.exclude_slow``, those it named slow), to be
+    excluded from its resubmission; UsageError for a lost_nodes that is not a file this program wrote (nothing
+    from it may reach sbatch)."""
     try:
-        return badnodes.excluded(run_dir)
+        return badnodes.excluded(run_dir, slow=slow)
     except (safefs.UnsafePath, OSError) as exc:
         raise UsageError(f"cannot read the nodes this run lost: {exc}") from None
 

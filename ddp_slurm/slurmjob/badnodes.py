@@ -51,14 +51,31 @@ def lost(error: BaseException) -> dict[int, str]:
     return {int(rank): host for rank, host in _LOST.findall(str(error)) if host != "unknown"}
 
 
+def host_name() -> str:
+    """This process's node as Slurm names it (what ``--exclude`` takes), or the machine's host name."""
+    import os
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def record(
-    run_dir: Path, hosts: list[str], job: str | None, restart: int, why: str, rank: int = 0, shared: bool = False
+    run_dir: Path,
+    hosts: list[str],
+    job: str | None,
+    restart: int | str,
+    why: str,
+    rank: int = 0,
+    shared: bool = False,
+    slow: bool = False,
 ) -> bool:
     """Append one line per host to ``<run_dir>/lost_nodes`` (tab-separated: host, job, restart, time, the
-    recording rank, why). True when this rank's lines are the first for this job and restart: that rank
+    recording rank, why; ``restart`` names the launch: the requeue count, ``.N`` for the batch script's Nth
+    relaunch inside the allocation). True when this rank's lines are the first for this job and restart: that rank
     speaks for the job (several survivors record; one requeues). ``shared``: ``run.shared`` (a teammate's
-    file is fine). Raises ``safefs.UnsafePath`` (a symlink, FIFO, foreign or damaged file) or OSError."""
-    path = RunPaths(run_dir).lost_nodes
+    file is fine); ``slow``: to ``slow_nodes`` instead (a slow node, not a lost one). Raises ``safefs.UnsafePath``
+    (a symlink, FIFO, foreign or damaged file) or OSError."""
+    path = RunPaths(run_dir).slow_nodes if slow else RunPaths(run_dir).lost_nodes
     named = [h for h in hosts if HOST.fullmatch(h)]
     if len(named) < len(hosts):
         log.warning("not recording %s in %s: not Slurm host names", [h for h in hosts if h not in named], path)
@@ -70,11 +87,19 @@ def record(
     return first is not None and first[4] == str(rank)
 
 
-def excluded(run_dir: Path) -> list[str]:
-    """The hosts ``<run_dir>/lost_nodes`` names, first loss first, each once ([] without the file). Raises
-    ``safefs.UnsafePath`` when it is not a file this program wrote (a symlink, FIFO, device, too large, a
-    line whose host is not a Slurm host name): nothing from it may reach scontrol or sbatch then."""
-    path = RunPaths(run_dir).lost_nodes
+def excluded(run_dir: Path, slow: bool = False) -> list[str]:
+    """The hosts ``<run_dir>/lost_nodes`` names (and ``slow_nodes``, with ``slow``: ``slurm.exclude_slow``),
+    first loss first, each once ([] without the file). Raises ``safefs.UnsafePath`` when it is not a file this
+    program wrote (a symlink, FIFO, device, too large, a line whose host is not a Slurm host name): nothing
+    from it may reach scontrol or sbatch then."""
+    paths = RunPaths(run_dir)
+    hosts = []
+    for path in (paths.lost_nodes, paths.slow_nodes) if slow else (paths.lost_nodes,):
+        hosts += _hosts(path)
+    return list(dict.fromkeys(hosts))
+
+
+def _hosts(path: Path) -> list[str]:
     hosts = []
     for number, line in enumerate(_lines(path), 1):
         if not line.strip():
@@ -86,7 +111,7 @@ def excluded(run_dir: Path) -> list[str]:
                 "remove it (or that line)"
             )
         hosts.append(host)
-    return list(dict.fromkeys(hosts))
+    return hosts
 
 
 def _lines(path: Path) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Any
 
 from ddp_slurm import safefs
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.slurmjob import badnodes, jobinfo, slurm
+from ddp_slurm.slurmjob import badnodes, jobinfo, restarts, slurm
 
 log = logging.getLogger(__name__)
 
@@ -169,17 +169,27 @@ def continue_job(cfg: Any, env: Any, exclude: list[str] = ()) -> bool:
 
 def after_peer_lost(cfg: Any, env: Any, error: BaseException) -> None:
     """A survivor, once the watchdog named lost ranks: it records their hosts; the first to record, inside a
-    Slurm job with ``slurm.requeue`` on and requeues left, requeues the job without them."""
+    Slurm job with ``slurm.requeue`` on and requeues left, requeues the job without them. Not in a step of the
+    batch script's supervisor (``restarts.SUPERVISED``), which relaunches it inside the allocation, unless the
+    supervisor's own node is among the lost."""
     gone = badnodes.lost(error)
     if not gone or cfg.run.name is None:
         return
     hosts = sorted(set(gone.values()))
     why = str(error).split(";")[0]
     try:  # every survivor records (the store's host lingers, and the step may end before it gets here)
-        first = badnodes.record(cfg.run_dir, hosts, env.job_id, env.restart_count, why, env.rank, cfg.run.shared)
-        all_hosts = badnodes.excluded(cfg.run_dir) or hosts
+        # one launch of the job: its requeue count, and which relaunch inside the allocation (supervise.py)
+        relaunch = restarts.step_restart(os.environ)
+        launch = f"{env.restart_count}.{relaunch}" if relaunch else env.restart_count
+        first = badnodes.record(cfg.run_dir, hosts, env.job_id, launch, why, env.rank, cfg.run.shared)
+        all_hosts = badnodes.excluded(cfg.run_dir, slow=cfg.slurm.exclude_slow) or hosts
     except (OSError, safefs.UnsafePath) as exc:  # a planted or damaged lost_nodes: this rank fails as it would
         log.warning("could not record the lost node(s) %s in %s: %s", ",".join(hosts), cfg.run_dir, exc)
+        return
+    supervisor = os.environ.get(restarts.SUPERVISED)
+    if supervisor and supervisor not in hosts:  # the batch script relaunches the step on the nodes left
+        if first:
+            log.info("the job's batch script relaunches training inside the allocation without %s", ",".join(hosts))
         return
     if first and env.in_slurm_job and cfg.slurm.requeue and env.restart_count < cfg.slurm.max_requeues:
         continue_job(cfg, env, exclude=all_hosts)  # requeue (or chain) without them

@@ -3,10 +3,10 @@
 Panels: training loss (and test loss), one panel per evaluation metric (the task's ``best_metric``
 first, labelled with its name: ``accuracy (%)``, ``mse``, ...) against samples seen, throughput against
 training time and, when the metrics carry ``lr``, the learning rate. Marked on them: restarts (red
-after a Slurm requeue), stop signals, epoch boundaries (at the step each epoch began) and changes of
-the world size between launches. The throughput axis ignores spikes (a first window after a restart,
-a clock jump): its top is set from the bulk of the points and the points above it are counted in the
-title. matplotlib's object API on an Agg canvas: no display, no pyplot state.
+after a Slurm requeue), stop signals, epoch boundaries (at the step each epoch began), changes of
+the world size between launches and, on one run's loss, the guard's rollbacks and skipped steps. The
+throughput axis ignores spikes (a first window after a restart, a clock jump): its top is set from the
+bulk of the points and the points above it are counted in the title. matplotlib's object API on an Agg canvas: no display, no pyplot state.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm import safefs
-from ddp_slurm.tools import tracked
+from ddp_slurm.tools import rollbacks, tracked
 from ddp_slurm.tools.history import RunHistory, eval_metrics
 
 
@@ -169,6 +169,7 @@ def build_run(run: RunHistory, title: str) -> Any:
     if test_loss:
         ax_loss.plot(*zip(*test_loss), "o--", color="tab:orange", label="test loss")
     _log_loss(ax_loss, [run])
+    rollbacks.draw(ax_loss, run.rollbacks, run.samples)
     ax_loss.set(title="loss", ylabel="loss")
     for i, name in enumerate(metrics):
         rows = [r for r in run.evals if tracked.is_number(r.get(name))]

@@ -1,15 +1,19 @@
 """A run's history as ``metrics.jsonl`` tells it, read back for ``report`` and its figures.
 
-Each launch writes a ``start`` line at the step it resumed from; steps after that point logged by an
-earlier launch were redone, so they are dropped and the later launch's values kept. Every line is
-checked against the fields this program writes: another file is refused with the line that shows it.
+The lines of a step logged twice: the later one counts. A run goes back in two ways, and the lines that
+say so start a new segment: each launch writes a ``start`` line at the step it resumed from, and the
+guard a ``rollback`` line naming the checkpoint it went back to (``to``, in the same process) and, when
+a replay showed bad data, a ``skip`` line (it goes back again, before the skipped steps). Lines an earlier
+segment logged for steps after that point were redone (or never checkpointed, or skipped), so they are
+dropped and the later values kept (``_redone_after``). Every line is checked against the fields this
+program writes: another file is refused with the line that shows it.
 """
 
 from __future__ import annotations
 
 import json
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from typing import Any
 from ddp_slurm import config, errors, safefs
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tools import tracked
+from ddp_slurm.tools.rollbacks import Rollback, collect
 
 MAX_METRICS_BYTES = 1 << 30  # a line per logged step: a long run writes tens of MB
 
@@ -35,6 +40,7 @@ class RunHistory:
     evals: list[dict[str, Any]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     stops: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: list[Rollback] = field(default_factory=list)  # the guard's, with their verdicts
     early_stop: dict[str, Any] | None = None  # the `early_stop` line that ended the run (eval.patience)
     last: dict[str, Any] | None = None  # the last complete line of the file
     ended: bool = False  # an `end` line after the last start
@@ -60,12 +66,12 @@ def read_history(run_dir: Path) -> RunHistory:
     for row in _rows(path):
         kind, step = row["kind"], row["step"]
         run.last = row
-        if kind == "start":
-            # Resumed at `step`: whatever an earlier launch logged after it was redone (or never
-            # checkpointed); drop it so that the later launch's numbers stand.
+        redone = _redone_after(row)
+        if redone is not None:  # a new segment: its numbers stand for the steps after `redone`
             for seen in (train, evals):
-                for s in [s for s in seen if s > step]:
+                for s in [s for s in seen if s > redone]:
                     del seen[s]
+        if kind == "start":
             run.starts.append(row)
             run.ended = False
             run.early_stop = None
@@ -79,6 +85,8 @@ def read_history(run_dir: Path) -> RunHistory:
             run.early_stop = row
         elif kind == "end":
             run.ended = True
+        elif kind in ("rollback", "replay", "skip"):
+            collect(run.rollbacks, row)
     if run.last is None:
         raise ReportError(f"{path} holds no complete line yet: run the report again once training has started")
     run.train = [train[s] for s in sorted(train)]
@@ -86,6 +94,19 @@ def read_history(run_dir: Path) -> RunHistory:
     run.metric = tracked.from_rows(run.starts, run.evals)
     run.steps_per_epoch = next((r["steps_per_epoch"] for r in reversed(run.starts) if r.get("steps_per_epoch")), None)
     return run
+
+
+def _redone_after(row: dict[str, Any]) -> int | None:
+    """The step after which every step is run again from this line on (None: the line moves nothing back).
+    The one home of the rule: everything that reads a run's history (report, export, resume) gets it here."""
+    kind = row["kind"]
+    if kind == "start":  # a launch resumed from the checkpoint of `step`
+        return row["step"]
+    if kind == "rollback":  # the guard restored the checkpoint of `to` and replays from there
+        return row["to"]
+    if kind == "skip":  # the guard went back again to a checkpoint before the skipped steps, never trained again
+        return row["steps"][0] - 1
+    return None
 
 
 def eval_metrics(run: RunHistory) -> list[str]:
@@ -110,6 +131,46 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "launch": (int,),
     "steps_per_epoch": (int,),
 }
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _list_of(test: Callable[[Any], bool], length: int | None = None) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and (length is None or len(v) == length) and all(map(test, v))
+
+
+_STEPS = (lambda v: _list_of(_is_int, 2)(v) and 1 <= v[0] <= v[1], "a [first, last] pair of steps from 1")
+# The guard's lines: the fields the report reads from them (``rollbacks.describe``, ``_redone_after``),
+# checked per kind since ``steps`` is a count in a replay line and a range in a skip line. Required:
+# the one each line moves the history back by.
+_GUARD_FIELDS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "rollback": {
+        "to": (_is_int, "an integer"),
+        "rollback": (_is_int, "an integer"),
+        "why": (lambda v: isinstance(v, str), "a string"),
+        "suspect": _STEPS,
+    },
+    "replay": {
+        "verdict": (lambda v: isinstance(v, str), "a string"),
+        "ranks": (_list_of(_is_int), "a list of ranks"),
+        "hosts": (_list_of(lambda v: isinstance(v, str)), "a list of host names"),
+        "at": (_is_int, "an integer"),
+    },
+    "skip": {"steps": _STEPS, "samples": (_list_of(_is_int, 2), "a [start, end) pair of sample positions")},
+}
+_REQUIRED = {"rollback": "to", "replay": "verdict", "skip": "steps"}
+
+
+def _check_guard(row: dict[str, Any], where: str) -> None:
+    fields = _GUARD_FIELDS.get(row["kind"], {})
+    for key, (test, expected) in fields.items():
+        value = row.get(key)
+        if (value is not None or key == _REQUIRED[row["kind"]]) and not test(value):
+            raise ReportError(
+                f"{where}: {key!r} is {reprlib.repr(value)}, expected {expected}; not a metrics file of this program"
+            )
 
 
 def _rows(path: Path) -> Iterator[dict[str, Any]]:
@@ -140,4 +201,5 @@ def _rows(path: Path) -> Iterator[dict[str, Any]]:
                     f"{where}: {key!r} is {reprlib.repr(value)}, expected {' or '.join(t.__name__ for t in types)}; "
                     "not a metrics file of this program"
                 )
+        _check_guard(row, where)
         yield row

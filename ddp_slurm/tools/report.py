@@ -10,7 +10,9 @@ jobs, one line per job from ``seff`` or ``sacct`` where the cluster keeps accoun
 Reads ``metrics.jsonl`` (see :mod:`ddp_slurm.train.metrics`) of a finished run, a stopped one or one that
 is still being written (a half-written last line is skipped). Each launch writes a ``start`` line at
 the step it resumed from; steps after that point logged by an earlier launch were redone, so they
-are dropped and the later launch's values kept. Restarts and stop signals are marked on the plots.
+are dropped and the later launch's values kept (so are the steps the guard redid after a rollback).
+Restarts, stop signals and the guard's rollbacks and skipped steps are marked on the plots; each
+rollback is a line of the summary, with its replay's verdict.
 The history is read by :mod:`ddp_slurm.tools.history`, the figures drawn by :mod:`ddp_slurm.tools.figures`.
 """
 
@@ -26,7 +28,7 @@ from ddp_slurm.config import relaunch
 from ddp_slurm.errors import UsageError
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.tools import figures, jobacct, sweeps, tracked
+from ddp_slurm.tools import figures, jobacct, rollbacks, sweeps, tracked
 from ddp_slurm.tools.history import ReportError, RunHistory, eval_metrics, read_history
 
 __all__ = ["ReportError", "RunHistory", "default_output", "eval_metrics", "expand", "main", "read_history", "summary"]
@@ -34,7 +36,7 @@ __all__ = ["ReportError", "RunHistory", "default_output", "eval_metrics", "expan
 
 def summary(run: RunHistory) -> str:
     """The text summary: status, the tracked metric (final and best, in its direction) and the other
-    eval metrics' final values, time, restarts, mean throughput."""
+    eval metrics' final values, time, restarts, the guard's rollbacks (one line each), mean throughput."""
     last = run.last or {}
     if run.ended and run.early_stop is not None:
         status = f"stopped early at step {run.early_stop['step']} ({run.early_stop.get('reason', 'eval.patience')})"
@@ -61,10 +63,13 @@ def summary(run: RunHistory) -> str:
         lines.append(f"final test {shown} (step {run.evals[-1]['step']})")
     launches = len(run.starts)
     requeues = max((r.get("restart_count", 0) for r in run.starts), default=0)
+    inside = sum(1 for r in run.starts if r.get("restart_in_allocation"))  # the batch script's relaunches
     lines.append(
         f"wall time: {last.get('time_s', 0.0):.1f} s of training; {launches} launch(es), "
-        f"{max(launches - 1, 0)} restart(s), {requeues} Slurm requeue(s), {len(run.stops)} stop signal(s)"
+        f"{max(launches - 1, 0)} restart(s) ({inside} inside the allocation after a lost node), "
+        f"{requeues} Slurm requeue(s), {len(run.stops)} stop signal(s)"
     )
+    lines += [rollbacks.describe(r) for r in run.rollbacks]
     rates = [r["samples_per_s"] for r in run.train if r.get("samples_per_s")]
     if rates:
         lines.append(f"throughput: mean {statistics.fmean(rates):,.0f} samples/s over {len(rates)} logged windows")

@@ -76,9 +76,12 @@ def check(cfg: Config, strategy: Any, world_size: int, cuda: bool, task_cls: typ
     others = {
         f"dist.strategy={strategy.name}": not strategy.captures_graphs,
         f"train.accumulate={cfg.train.accumulate}": cfg.train.accumulate > 1,
+        f"train.micro_batch_size={cfg.train.micro_batch_size}": cfg.train.micro_batch_size is not None,
         f"train.grad_clip={cfg.train.grad_clip}": cfg.train.grad_clip is not None,
         "train.activation_checkpoint=true": cfg.train.activation_checkpoint,
         "train.precision=fp16": cfg.train.precision == "fp16",  # the captured step has no gradient scaler
+        # a rollback restores the optimizer's state in place of the tensors the captured graph points at
+        f"guard.rollbacks={cfg.guard.rollbacks}": cfg.guard.rollbacks > 0,
     }
     clash = [key for key, on in others.items() if on]
     if clash:

@@ -23,7 +23,7 @@ at all and resumes exactly at any world size and worker count (docs/tasks.md, "R
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -77,6 +77,13 @@ def batch_size_of(batch: Any) -> int:
     return batch_size_of(next(iter(items)))
 
 
+def kept_steps(epoch: int, start_step: int, per_epoch: int, skip: Callable[[int], bool] | None) -> list[int]:
+    """The steps in the epoch (from ``start_step``) whose batches are trained: ``skip(step)`` (the run's
+    skipped steps, counted over epochs from 1 as the log counts them, see ``skips.py``) drops the others."""
+    steps = range(start_step, per_epoch)
+    return list(steps) if skip is None else [s for s in steps if not skip(epoch * per_epoch + s + 1)]
+
+
 class InMemory:
     """Batches gathered by index from tensors held on the device: no workers, no per-sample Python."""
 
@@ -84,13 +91,14 @@ class InMemory:
         self.data, self.device = data.to(device), device
         self.seed, self.global_batch, self.rank, self.world = seed, global_batch, rank, world
         self.steps_per_epoch = steps_per_epoch(len(data), global_batch)
+        self.skip: Callable[[int], bool] | None = None  # the run's skipped steps (set by the guard)
 
     def epoch(self, epoch: int, start_step: int) -> Iterator[tuple[torch.Tensor, ...]]:
         order = epoch_permutation(len(self.data), self.seed, epoch)
         if self.device.type == "cuda":  # from pinned memory the copy is queued: no host sync at an epoch's start
             order = order.pin_memory()
         order = order.to(self.device, non_blocking=True)  # indices on the device
-        for step in range(start_step, self.steps_per_epoch):
+        for step in kept_steps(epoch, start_step, self.steps_per_epoch, self.skip):
             index = order[rank_slice(step, self.global_batch, self.rank, self.world)]
             yield tuple(t.index_select(0, index) for t in self.data.tensors)
 
@@ -107,17 +115,22 @@ class StepSampler:
             world,
         )
         self.epoch, self.start_step = 0, 0
+        self.skip: Callable[[int], bool] | None = None  # the run's skipped steps (set by the guard)
 
     def set_position(self, epoch: int, start_step: int) -> None:
         self.epoch, self.start_step = epoch, start_step
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         order = epoch_permutation(self.num_samples, self.seed, self.epoch).tolist()
-        for step in range(self.start_step, len(self) + self.start_step):
+        for step in self._steps():
             yield [(self.epoch, i) for i in order[rank_slice(step, self.global_batch, self.rank, self.world)]]
 
     def __len__(self) -> int:
-        return steps_per_epoch(self.num_samples, self.global_batch) - self.start_step
+        return len(self._steps())
+
+    def _steps(self) -> list[int]:
+        per_epoch = steps_per_epoch(self.num_samples, self.global_batch)
+        return kept_steps(self.epoch, self.start_step, per_epoch, self.skip)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -188,6 +201,14 @@ class DatasetBatches:
             # shift this rank's dropout stream by one draw at a resume (the loader starts mid-epoch).
             generator=torch.Generator().manual_seed(seed),
         )
+
+    @property
+    def skip(self) -> Callable[[int], bool] | None:
+        return self.sampler.skip
+
+    @skip.setter
+    def skip(self, skip: Callable[[int], bool] | None) -> None:
+        self.sampler.skip = skip
 
     def epoch(self, epoch: int, start_step: int) -> Iterator[Any]:
         self.sampler.set_position(epoch, start_step)  # read when the loader's iterator starts

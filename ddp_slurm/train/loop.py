@@ -20,16 +20,16 @@ from typing import Any
 
 import torch
 
-from ddp_slurm import errors
-from ddp_slurm.config import Config, relaunch
+from ddp_slurm.config import Config, accumulation, relaunch
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_REQUEUE_CAP, EXIT_STOPPED
-from ddp_slurm.slurmjob import allocation, chain
+from ddp_slurm.slurmjob import allocation, badnodes, chain, restarts
 from ddp_slurm.train import determinism, hooks, loggers, logs, rng, rundir, runname, strategy, warmstart
 from ddp_slurm.train.checkpoint import Checkpointer, CheckpointError, fit
 from ddp_slurm.train.evaluation import EARLY, IMPROVED, NONE, STOPPED, Evaluations
+from ddp_slurm.train.guard import Guard
 from ddp_slurm.train.hooks import Training
 from ddp_slurm.train.hooks.syncdebug import reset as reset_sync_debug
 from ddp_slurm.train.metrics import MetricsWriter
@@ -40,10 +40,6 @@ from ddp_slurm.train.vote import StopVote
 from ddp_slurm.train.window import log_placement
 
 log = logging.getLogger("ddp_slurm")
-
-
-class NonFiniteLoss(errors.Error):
-    """The loss became NaN/inf: stop before anything is saved (exit 1)."""
 
 
 def train(
@@ -82,6 +78,7 @@ def train(
         cfg,
         template=template,
         stop_pending=lambda: stop.requested,
+        hold=cfg.guard.suspect_steps if cfg.guard.rollbacks else 0,  # a rollback's target survives pruning
     )
     lock = rundir.RunLock(cfg.paths)
     kept: dict[str, Any] = {}
@@ -139,7 +136,9 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
     run, pos = t.run, t.run.pos
     side = hooks.standard(run, dog)
     evals = Evaluations(t, stop)
+    guard = Guard(t, ckpt, votes, side, save=lambda: save(t, ckpt))  # loss spikes, bad data, faults (guard/)
     side.start(t)
+    guard.start()
     batches = run.batches.epoch(pos.epoch, pos.step_in_epoch)
     side.epoch_start(t)
     requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)  # a signal that came before the first step
@@ -148,8 +147,10 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
         ended, batches = _close_step(t, ckpt, evals, side, batches, saving=True)
     while not (requeue or terminate) and ended == NONE and pos.step < run.total_steps:
         side.before_step(t)
-        loss = run.train_step(next(batches))
+        skipped = guard.skipped(pos.step + 1)  # a step of bad data: no batch drawn, no update
+        loss = None if skipped else run.train_step(next(batches))
         pos.advance()
+        guard.stepped(loss)
         side.stepped(t)
         end_of_epoch = _end_of_epoch(run)
         saving = ckpt.due(pos.step, end_of_epoch)
@@ -162,16 +163,18 @@ def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: 
         if votes.failed:  # rank 0's background write failed (disk full, read-only): its one line, every rank
             ckpt.wait()
         ckpt.poll()  # a background write now durable says so here, before this step's progress line
-        if bad:
-            raise NonFiniteLoss(
-                f"{votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
-                "(lower train.lr and start a new run.name)"
-            )
-        side.after_step(t, loss)
+        moved = guard.check(bad)  # a spike or a non-finite loss: rolled back to replay, or to skip bad data
+        if moved is not None:
+            batches = moved
+            continue
+        if loss is not None:
+            side.after_step(t, loss)
         ended, batches = _close_step(t, ckpt, evals, side, batches, saving)
         if saving and ended == NONE:  # a signal that came during the evaluation or the save stops here
             requeue, terminate, _ = votes.exchange(None, pos.step, wait=True)
-    votes.settle()  # the last step's flags, when a signal ended the loop: no collective left in flight
+    # The last step's flags, when a signal ended the loop (no collective left in flight): judged before its
+    # save, so that a spike on the very step a signal lands on is rolled back, not checkpointed.
+    guard.check(votes.settle()[2])
     side.end(t)
     # The data's worker processes end now: a requeue cancels the Slurm step, whose SIGTERM would kill them
     # under a rank still waiting for rank 0, and its DataLoader would raise there (exit 1, not 75).
@@ -241,6 +244,8 @@ def _start(t: Training, backend: str, resumed: bool, warm: dict[str, Any]) -> No
         percent_metrics=None if run.task.percent_metrics is None else list(run.task.percent_metrics),
         launch=t.metrics.launch,
         steps_per_epoch=run.steps_per_epoch,
+        restart_in_allocation=restarts.step_restart(os.environ),  # the batch script's relaunch (supervise.py)
+        accumulate=accumulation(run.cfg, env.world_size),  # train.micro_batch_size: chosen for this world size
     )
     log.info(
         "%s run %s: world size %d on %d node(s) via %s, backend %s, device %s, %s",
@@ -293,7 +298,9 @@ def stop_on_signal(t: Training, ckpt: Checkpointer, wants_requeue: bool) -> int:
                 pos.step,
             )
             return EXIT_REQUEUE_CAP
-        on_rank0(env, lambda: chain.continue_job(cfg, env), host)  # scontrol requeue, or a chained successor
+        # scontrol requeue, or a chained successor; without the nodes named slow (slurm.exclude_slow)
+        avoid = (lambda: badnodes.excluded(cfg.run_dir, slow=True)) if cfg.slurm.exclude_slow else list
+        on_rank0(env, lambda: chain.continue_job(cfg, env, exclude=avoid()), host)
     # Every rank waits for rank 0's requeue and line: under srun --kill-on-bad-exit, the first rank to exit
     # 75 ends the step, and rank 0 must not be killed before them.
     on_rank0(

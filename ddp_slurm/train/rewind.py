@@ -14,14 +14,12 @@ move, so a launch that is training is never rewound under itself.
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
-from ddp_slurm import config, safefs
+from ddp_slurm import config
 from ddp_slurm.errors import UsageError
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import best, gate
+from ddp_slurm.train.checkpoint import gate, setaside
 from ddp_slurm.train.rundir import RunLock
 
 
@@ -48,34 +46,6 @@ def rewind(run_dir: Path, step: int) -> str:
     lock = RunLock(paths)
     lock.acquire()  # RunLocked: a launch is training this run
     try:
-        return _set_aside(paths, step, newer, record.get("best_step"))
+        return setaside.set_aside(paths, step, newer, record.get("best_step"))
     finally:
         lock.release()
-
-
-def _set_aside(paths: RunPaths, step: int, newer: list[Path], best_step: int | None) -> str:
-    folder = paths.set_aside / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-after-step-{step}"
-    safefs.make_dir(paths.set_aside, paths.shared, parents=False)
-    safefs.make_dir(folder, paths.shared, parents=False)
-    for path in newer:
-        os.rename(path, folder / path.name)
-    moved = [p.name for p in newer]
-    named = _named_best(paths)
-    if named is not None and named.name in moved:  # the best is gone with them: the checkpoint's own best stays
-        os.rename(paths.best, folder / paths.best.name)
-        moved.append(paths.best.name)
-        kept = [p for p in (paths.checkpoint(best_step), paths.sharded(best_step)) if best_step is not None]
-        for path in kept:
-            if path.exists():
-                best.mark(paths, path)
-    safefs.fsync_dir(paths.checkpoints)
-    return (
-        f"set aside {len(newer)} newer checkpoint(s) ({', '.join(moved)}) in {folder}; the run resumes at step {step}"
-    )
-
-
-def _named_best(paths: RunPaths) -> Path | None:
-    try:
-        return best.named(paths)
-    except (ValueError, OSError):  # a damaged best file names nothing; the run writes a new one
-        return None

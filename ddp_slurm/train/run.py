@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_slurm.config import Config
+from ddp_slurm.config import Config, accumulation
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train import graphs, loader, step
 from ddp_slurm.train.checkpoint.state import Position
+from ddp_slurm.train.clock import ComputeClock
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 from ddp_slurm.train.precision import make_scaler
 from ddp_slurm.train.strategy import Strategy
@@ -54,6 +55,8 @@ class Run:
     pos: Position = field(default_factory=Position)
     scaler: Any = None
     """``train.precision=fp16``: the gradient scaler the step uses (its state is checkpointed); None otherwise."""
+    clock: ComputeClock | None = None
+    """This rank's forward time (``clock.py``: slow nodes); None under ``train.cuda_graphs`` (one capture)."""
 
     @property
     def rank(self) -> int:
@@ -109,11 +112,22 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
     optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
     scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
     scaler = make_scaler(tc.precision, device)
+    clock = None
     if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
         train_step = graphs.make_step(module, optimizer, scheduler, task.training_step, device, tc.precision)
     else:
+        clock = ComputeClock(device)
+        loss_of = clock.wrap(task.training_step)
         train_step = step.make_step(
-            module, optimizer, scheduler, task.training_step, device, tc.precision, tc.accumulate, tc.grad_clip, scaler
+            module,
+            optimizer,
+            scheduler,
+            loss_of,
+            device,
+            tc.precision,
+            accumulation(cfg, env.world_size),
+            tc.grad_clip,
+            scaler,
         )
     return Run(
         cfg,
@@ -131,4 +145,5 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
         total_steps,
         groups,
         scaler=scaler,
+        clock=clock,
     )

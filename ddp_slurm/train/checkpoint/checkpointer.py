@@ -13,7 +13,10 @@ backend (the strategy names it: one file written by rank 0, or a folder of every
   saves the process waits for next (a stop signal, the end of training);
 - ``checkpoint.keep``: pruning after each durable write, counting only this run's checkpoints (the gate's
   judgement again), never one a resume would not accept; the best checkpoint (``best.py``) is spared
-  beside them, and named in the run directory's ``best`` once it is durable;
+  beside them, and named in the run directory's ``best`` once it is durable; with the guard on, so is the
+  newest one a rollback could go back to (``hold`` steps before the newest);
+- going back (``go_back``, the guard's rollback): the newest checkpoint before a step, through the gate,
+  restored in this process on every rank, the newer ones set aside (``setaside.py``);
 - the run directory and ``run.shared`` (``RunPaths``): where, and with which file modes.
 """
 
@@ -28,7 +31,7 @@ from typing import Any
 from ddp_slurm import errors
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import best, fit, format, gate, listing, sharded
+from ddp_slurm.train.checkpoint import best, fit, format, gate, listing, setaside, sharded
 from ddp_slurm.train.checkpoint.backends import Backend, Objects
 from ddp_slurm.train.checkpoint.format import CheckpointError
 from ddp_slurm.train.checkpoint.state import Position
@@ -47,7 +50,8 @@ class Checkpointer:
     checkpoint is captured from and restored into; ``cfg``: the run's config (a checkpoint records it,
     and only a config this run may resume counts as this run's); ``template``: the run's structure a
     checkpoint must fit (``fit.of_task``); ``stop_pending()``: a stop signal came (a save's wait for the
-    previous write cancels it instead).
+    previous write cancels it instead); ``hold``: with the guard on, its ``suspect_steps`` (pruning keeps the
+    newest checkpoint at least that many steps before the newest, where a rollback would go).
     """
 
     def __init__(
@@ -60,9 +64,10 @@ class Checkpointer:
         *,
         template: fit.Template | None = None,
         stop_pending: Callable[[], bool] | None = None,
+        hold: int = 0,
     ) -> None:
         self.every_steps, self.paths, self.backend, self.run, self.cfg = section.every_steps, paths, backend, run, cfg
-        self.keep = section.keep
+        self.keep, self.hold = section.keep, hold
         self.saved_step = -1  # the step of the newest checkpoint saved or restored by this launch
         self._root: tuple[int, int] | None = None  # the run directory's (device, inode), from the first save on
         self.reference = {k: tuple(v) for k, v in sharded.model_shapes(run.model).items()}
@@ -101,6 +106,32 @@ class Checkpointer:
         pos = self.backend.restore(found, record, self.run)
         self.saved_step = pos.step
         return pos
+
+    def go_back(self, before: int) -> Position | None:
+        """Every rank: restore the newest checkpoint of this run older than step ``before`` (the gate judges
+        it on rank 0, which sets the newer ones aside); its position, or None when there is none."""
+        self.wait()
+        kept: dict[str, Any] = {}
+
+        def find() -> Path | None:
+            candidates = self.gate.candidates()
+            self.gate.check_trust(candidates)
+            for step, path in sorted(candidates, reverse=True):
+                if step >= before:
+                    continue
+                try:
+                    kept["record"] = record = self.gate.judge(step, path)
+                except ValueError as exc:
+                    log.warning("not going back to %s: %s", path, exc)
+                    continue
+                newer = sorted(p for s, p in candidates if s > step)
+                if newer:
+                    log.info("%s", setaside.set_aside(self.paths, step, newer, record.get("best_step")))
+                return path
+            return None
+
+        found = on_rank0(self.run, find, self.run.groups.host)
+        return self.restore(found, kept.get("record")) if found is not None else None
 
     # -- saving ---------------------------------------------------------------------------------
     def due(self, step: int, end_of_epoch: bool) -> bool:
@@ -141,7 +172,9 @@ class Checkpointer:
             del self._best_of[old]  # written (or failed) before this one
         if best_step is not None and best_step == step:
             best.mark(self.paths, newest)
-        spare = next((p for s, p in candidates if s == best_step), None)
+        spare = [p for s, p in candidates if s == best_step]
+        if self.hold and step is not None:  # the guard's rollback target: the newest before the suspect steps
+            spare += [p for s, p in sorted(candidates, reverse=True) if s <= step - self.hold][:1]
         listing.prune(
             candidates,
             self.keep,

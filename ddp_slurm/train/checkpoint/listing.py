@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,7 @@ def prune(
     judge: Judge,
     remove: Callable[[Path], None],
     seen: dict[Any, Any] | None = None,
-    spare: Path | None = None,
+    spare: Iterable[Path] = (),
 ) -> None:
     """Delete all but the ``keep`` newest of ``candidates`` (``(step, path)`` by name), ranked by the step
     each holds, counting only this run's: those whose ``summary_of`` reads, whose step is their name's,
@@ -114,8 +114,9 @@ def prune(
     run's checkpoints deleted; such entries are left alone with a warning. ``newest`` (just written by this
     run, from the run's own state) is never read and never deleted. ``seen``: verdicts of earlier calls,
     by entry identity (inode, size, modification time), so a writer saving every few seconds reads an
-    entry that came another way once, not at every save. ``spare``: the run's best checkpoint, kept
-    beside the ``keep`` newest and not counted among them (``best.py``)."""
+    entry that came another way once, not at every save. ``spare``: the run's best checkpoint (``best.py``) and
+    the guard's rollback target, kept beside the ``keep`` newest and not counted among them."""
+    spare = set(spare)
     trusted: list[tuple[int, Path]] = []
     for step, path in candidates:
         try:
@@ -137,7 +138,7 @@ def prune(
                 log.warning("leaving %s alone (not counted for checkpoint.keep): %s", path, why)
         if seen is not None:
             seen[key] = why
-        if not why and (path != spare or path == newest):
+        if not why and (path not in spare or path == newest):
             trusted.append((step, path))
     trusted.sort(key=lambda item: (item[1] == newest, item[0]), reverse=True)
     for _, old in trusted[keep:]:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ddp_slurm import skips
+
 
 def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -75,12 +77,31 @@ def _scaler(value: Any) -> bool:
     )
 
 
+def _guard(value: Any) -> bool:
+    """The guard's state as ``guard.state`` writes it: empty, or its statistics, skipped steps and rollbacks."""
+    if not isinstance(value, dict):
+        return False
+    if not value:
+        return True
+    mean = value.get("mean")
+    return (
+        set(value) == {"mean", "dev", "seen", "skips", "rollbacks"}
+        and (mean is None or _number(mean))
+        and _number(value["dev"])
+        and value["dev"] >= 0
+        and _count(value["seen"])
+        and _count(value["rollbacks"])
+        and skips.valid(value["skips"])
+    )
+
+
 # key -> (check, what it must be); checked where a record holds it (checkpoints made before it existed do not)
 OPTIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "scaler": (_scaler, "null or a gradient scaler's state"),
     "best_step": (lambda v: v is None or _count(v), "a count or null"),
     "stale": (_count, "a count"),
     "evaluated": (_count, "a count"),
+    "guard": (_guard, "the guard's state (loss statistics, skipped steps, rollbacks)"),
 }
 
 

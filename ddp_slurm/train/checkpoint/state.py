@@ -4,8 +4,8 @@ A checkpoint holds everything a task needs to continue bit-identically: the mode
 (the backend's part: rank 0's whole state dicts in a file, or every rank's shards), and ``record``:
 the schedule, the task's own ``state_dict``, the position (step, epoch, step in epoch), every rank's
 RNG streams (``rng.py``), the best metric (its value and step, and early stopping's count of
-evaluations without improvement), the step of the last evaluation completed, the world size, and the
-run's config. The data position is (epoch, step in epoch), see ``loader``. ``resume`` puts a record
+evaluations without improvement), the step of the last evaluation completed, the world size, the
+guard's state (its loss statistics, skipped steps and rollbacks: ``guard/``), and the run's config. The data position is (epoch, step in epoch), see ``loader``. ``resume`` puts a record
 back on every rank.
 
 Resuming at another world size: the model, optimizer, schedule, position and task state carry over
@@ -18,7 +18,7 @@ differ).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,9 @@ class Position:
     best_step: int | None = None  # the step whose checkpoint holds ``best`` (kept outside checkpoint.keep)
     stale: int = 0  # evaluations in a row that did not beat ``best`` by more than eval.min_delta
     evaluated: int = 0  # the step of the last evaluation completed (one abandoned on a stop is redone)
+    guard: dict[str, Any] = field(default_factory=dict)
+    """The guard's state (``guard/``): the loss's running mean and deviation and how many steps fed them, the
+    skipped steps, the rollbacks made. Empty until the guard writes it."""
 
     def advance(self) -> None:
         self.step += 1
@@ -100,6 +103,7 @@ def record(
         "evaluated": pos.evaluated,
         "rng": rngs,
         "world_size": world_size,
+        "guard": dict(pos.guard),
     }
 
 
@@ -159,4 +163,5 @@ def resume(
         best_step=record.get("best_step"),
         stale=record.get("stale", 0),
         evaluated=record.get("evaluated", record["step"]),
+        guard=dict(record.get("guard") or {}),
     )

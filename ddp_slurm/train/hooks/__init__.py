@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ddp_slurm.train.hooks.base import Hook, Hooks, Training
 from ddp_slurm.train.hooks.heartbeat import Heartbeat
 from ddp_slurm.train.hooks.progress import ProgressDisplay
+from ddp_slurm.train.hooks.slowranks import SlowRanks
 from ddp_slurm.train.hooks.syncdebug import SyncDebug
 from ddp_slurm.train.hooks.trainline import TrainLine
 
@@ -42,6 +43,7 @@ def standard(run: Run, dog: Any = None) -> Hooks:
             SyncDebug(run),  # DDP_SLURM_SYNC_DEBUG: no host sync inside a steady step (docs/gpu.md)
             Heartbeat(dog),  # the watchdog hears of every step (distributed/watchdog.py)
             TrainLine(run),  # the loss, rate and gradient-norm windows: metrics.jsonl's train lines
+            SlowRanks(run),  # who is slow: each rank's compute per step at every train line (slurm.slow_factor)
             ProgressDisplay(run),  # rank 0's bar or plain progress lines
         ]
     )

@@ -1,0 +1,197 @@
+"""``python -m ddp_slurm.launch.supervise -- PYTHON -m ddp_slurm.train ...``: the batch script's training step,
+relaunched inside the allocation when a node is lost (``slurmjob/restarts.py`` decides).
+
+The batch script keeps its allocation when a node fails (``#SBATCH --no-kill``: Slurm then drops the node
+from the job and lets it run on). This runs the training step with ``srun`` on the job's nodes and, when the
+step ends, asks ``restarts.decide``:
+
+- a lost node (the survivors named it in ``<run dir>/lost_nodes``, or Slurm dropped it from the job): the step
+  is launched again on the nodes left, as many as the global batch splits over, and the run resumes from its
+  newest checkpoint at that world size. Same job id, no requeue, no queue wait; ``slurm.restarts`` times.
+  ``slurm.spare_nodes``: that many of the job's nodes wait outside the first launch, so that a relaunch
+  after a loss trains on as many nodes as before;
+- a launch that failed before any rank started training: launched again after 2 s (``MAX_LAUNCH_RETRIES``);
+- anything else ends the job with the step's exit code, as ``srun`` alone would.
+
+Every decision is one log line. The relaunched run's ``start`` line in metrics.jsonl says which relaunch it is
+(``restart_in_allocation``), and ``report`` shows it. The steps run with ``DDP_SLURM_SUPERVISED`` naming this
+host: survivors of a lost rank then only record it, and requeue the job themselves only when this host is
+the one lost (the batch script dies with its node, and Slurm would leave the job a zombie).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddp_slurm import safefs
+from ddp_slurm.distributed.env import expand_hostlist
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.slurmjob import badnodes, jobinfo, restarts, slurm
+
+log = logging.getLogger("ddp_slurm")
+
+RETRY_DELAY_S = 2.0  # a requeue revokes the job's credential with 1-second resolution
+
+
+def _run_dir(train: list[str]) -> tuple[Path, Any]:
+    """The run directory the training step will use: its config read as the step reads it."""
+    from ddp_slurm import config
+    from ddp_slurm.train import runname
+
+    args = list(train[train.index("ddp_slurm.train") + 1 :]) if "ddp_slurm.train" in train else []
+    path = None
+    if args[:1] == ["--config"]:
+        path, args = args[1], args[2:]
+    cfg = config.load(path, args, resolve=False)
+    job = os.environ["SLURM_JOB_ID"]
+    ref = (
+        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+        if os.environ.get("SLURM_ARRAY_TASK_ID")
+        else job
+    )
+    cfg.run.name = cfg.run.name or runname.job_name(cfg, ref)
+    return cfg.run_dir, cfg
+
+
+def _live_nodes(job: str) -> tuple[str, ...]:
+    ok, text = slurm.scontrol("show", "job", "-o", job)
+    nodes = jobinfo.parse_job(text).get("NodeList", "") if ok else ""
+    return tuple(expand_hostlist(nodes)) if nodes and nodes != "(null)" else ()
+
+
+def _starts(path: Path) -> int:
+    """The run's ``start`` lines so far (one more after a step: a rank began training)."""
+    try:  # never through a link, never blocked by a FIFO (a co-tenant's plant): a plain file or nothing
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return 0
+    with open(fd, errors="replace") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return 0
+        return sum(1 for line in f if '"kind": "start"' in line)
+
+
+def _lost_lines(path: Path) -> list[str]:
+    """``lost_nodes``'s lines, read as ``badnodes`` reads them (no link, FIFO or foreign file; bounded)."""
+    try:
+        return (safefs.read_small(path) or "").splitlines()
+    except (OSError, safefs.UnsafePath) as exc:
+        log.warning("cannot read %s: %s", path, exc)
+        return []
+
+
+def _lost_since(path: Path, before: int, job: str) -> tuple[str, ...]:
+    """Hosts recorded lost by this job after the first ``before`` lines."""
+    fields = [line.split("\t") for line in _lost_lines(path)[before:]]
+    return tuple(sorted({f[0] for f in fields if len(f) > 1 and f[1] == job and badnodes.HOST.fullmatch(f[0])}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddp_slurm.launch.supervise", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "train", nargs=argparse.REMAINDER, help="-- PYTHON -m ddp_slurm.train [--config FILE] [KEY=VALUE ...]"
+    )
+    args = p.parse_args(argv)
+    train = args.train[1:] if args.train[:1] == ["--"] else args.train
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    job = os.environ["SLURM_JOB_ID"]
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
+    try:
+        run_dir, cfg = _run_dir(train)
+    except Exception as exc:  # a config the step will refuse itself, in its own words: run it once, as srun would
+        log.info("job %s: not supervising the training step (%s)", job, str(exc).splitlines()[0])
+        return subprocess.run(["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}", *train]).returncode
+    paths = RunPaths(run_dir)
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
+    tasks = int(per_node.split("(")[0].split(",")[0] or 1)
+    nodes = _live_nodes(job) or tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"]))
+    spare = cfg.slurm.spare_nodes
+    if spare:
+        if spare >= len(nodes):
+            log.error("slurm.spare_nodes=%d leaves none of the job's %d node(s) to train on", spare, len(nodes))
+            return 2
+        nodes = nodes[: len(nodes) - spare]  # the last ones wait: a relaunch after a loss takes them
+        log.info(
+            "job %s: training on %s; spare node(s) %s", job, ",".join(nodes), ",".join(_live_nodes(job)[len(nodes) :])
+        )
+    me = badnodes.host_name()
+    made = tried = 0
+    avoid = badnodes.excluded(run_dir, slow=True) if cfg.slurm.exclude_slow else []  # slow nodes named before
+    if avoid and [n for n in nodes if n not in avoid]:
+        log.info("job %s: leaving out %s (slurm.exclude_slow)", job, ",".join(n for n in nodes if n in avoid))
+        nodes = tuple(n for n in nodes if n not in avoid)
+    while True:
+        before_lost, before_starts = len(_lost_lines(paths.lost_nodes)), _starts(paths.metrics)
+        env = dict(os.environ, **{restarts.STEP_RESTART: str(made)})
+        if made < cfg.slurm.restarts:
+            env[restarts.SUPERVISED] = me
+        cmd = [
+            "srun",
+            "--kill-on-bad-exit=1",
+            f"--cpus-per-task={cpus}",
+            f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes) * tasks}",
+            f"--ntasks-per-node={tasks}",
+            f"--nodelist={','.join(nodes)}",
+            *train,
+        ]
+        status = subprocess.run(cmd, env=env).returncode
+        step = restarts.Step(
+            status,
+            _starts(paths.metrics) > before_starts,
+            nodes,
+            _lost_since(paths.lost_nodes, before_lost, job),
+            _live_nodes(job),
+        )
+        avoid = sorted(set(avoid) | set(step.lost))
+        plan = restarts.decide(
+            step,
+            restarts=made,
+            retries=tried,
+            cap=cfg.slurm.restarts,
+            avoid=avoid,
+            tasks_per_node=tasks,
+            global_batch=cfg.train.global_batch_size,
+            accumulate=cfg.train.micro_batch_size or cfg.train.accumulate,  # what each rank's share must split into
+        )
+        if plan.action == "exit":
+            if plan.why:
+                log.info("job %s: training step exited %d: %s; not relaunching", job, status, plan.why)
+            return plan.code
+        if plan.action == "retry":
+            tried += 1
+            log.warning(
+                "job %s: %s; launching again in %.0f s (try %d of %d)",
+                job,
+                plan.why,
+                RETRY_DELAY_S,
+                tried + 1,
+                restarts.MAX_LAUNCH_RETRIES + 1,
+            )
+            time.sleep(RETRY_DELAY_S)
+            continue
+        made, tried = made + 1, 0
+        log.warning(
+            "job %s: %s: relaunching training inside the allocation on %d node(s) %s from the newest "
+            "checkpoint (restart %d of slurm.restarts=%d; no requeue)",
+            job,
+            plan.why,
+            len(plan.nodes),
+            ",".join(plan.nodes),
+            made,
+            cfg.slurm.restarts,
+        )
+        nodes = plan.nodes
+        time.sleep(RETRY_DELAY_S)  # the failed step's credential and ports are released
+
+
+if __name__ == "__main__":
+    sys.exit(main())

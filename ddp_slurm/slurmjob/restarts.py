@@ -1,0 +1,105 @@
+"""Restarting the training step inside the allocation: what to do when a step of the job ends.
+
+The project's batch script keeps its allocation when a node fails (``#SBATCH --no-kill``) and runs its
+training step through ``launch/supervise.py``, which asks ``decide`` after every step:
+
+- the step ended the run (0 finished, 75 stopped on a signal, 2 a usage error, 3 the requeue cap): the job
+  ends with that code;
+- no rank started training (``started`` is False): a launch failure, such as the 1-second credential
+  revocation right after a requeue ("Task launch ... failed ... Job credential revoked"). It is retried on
+  the same nodes, ``MAX_LAUNCH_RETRIES`` times at most;
+- ranks were lost (the survivors recorded their hosts in ``lost_nodes``) or nodes left the job (Slurm shrank
+  it): the step is launched again on the job's remaining nodes, from the newest checkpoint, as many nodes as
+  the global batch splits over (``node_count``), ``slurm.restarts`` times at most. Past the cap the last
+  launch runs without the supervisor's claim, so a loss there requeues the job as before (``chain.py``);
+- any other failure (a bug, a NaN): the job ends with it. Relaunching would fail the same way.
+
+Pure: ``Step`` in, ``Plan`` out, tested with plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+MAX_LAUNCH_RETRIES = 3
+ENDS = {0, 2, 3, 75}  # finished, usage error, requeue cap, stopped on a signal (exitcodes.py)
+
+SUPERVISED = "DDP_SLURM_SUPERVISED"
+"""Set (to the batch host's name) in a supervised step: a survivor of a lost rank records it and leaves the
+job to the supervisor, unless the batch host itself is lost (its supervisor with it)."""
+STEP_RESTART = "DDP_SLURM_STEP_RESTART"
+"""Which relaunch inside the allocation this step is (0: the first launch); on the run's start line."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """How one training step of the job ended."""
+
+    status: int
+    started: bool
+    """A rank wrote a new ``start`` line: training began (else the launch itself failed)."""
+    nodes: tuple[str, ...]
+    """The nodes it ran on."""
+    lost: tuple[str, ...] = ()
+    """Hosts the survivors recorded in ``lost_nodes`` during the step."""
+    live: tuple[str, ...] = ()
+    """The job's nodes now (``scontrol show job``: Slurm drops a failed node from a --no-kill job)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    action: str
+    """``exit``, ``retry`` (the same nodes) or ``restart`` (on ``nodes``)."""
+    code: int = 0
+    nodes: tuple[str, ...] = ()
+    why: str = ""
+
+
+def node_count(available: int, tasks_per_node: int, global_batch: int, accumulate: int) -> int:
+    """The most nodes, at most ``available``, that ``global_batch`` splits over (0: none)."""
+    for n in range(available, 0, -1):
+        if global_batch % (n * tasks_per_node * accumulate) == 0:
+            return n
+    return 0
+
+
+def decide(
+    step: Step,
+    *,
+    restarts: int,
+    retries: int,
+    cap: int,
+    avoid: Sequence[str],
+    tasks_per_node: int,
+    global_batch: int,
+    accumulate: int,
+) -> Plan:
+    """What follows ``step``: ``restarts`` and ``retries`` made so far, ``cap`` (``slurm.restarts``),
+    ``avoid``: every host lost in this job so far."""
+    if step.status in ENDS:
+        return Plan("exit", step.status)
+    if not step.started:
+        if retries < MAX_LAUNCH_RETRIES:
+            return Plan("retry", nodes=step.nodes, why=f"the launch failed (exit {step.status}) before training began")
+        return Plan("exit", step.status, why=f"the launch failed {retries + 1} times")
+    gone = sorted(set(step.lost) | (set(step.nodes) - set(step.live) if step.live else set()))
+    if not gone:
+        return Plan("exit", step.status, why="training failed, and no node was lost")
+    if restarts >= cap:
+        return Plan("exit", step.status, why=f"slurm.restarts={cap} used up")
+    left = [n for n in step.live or step.nodes if n not in set(avoid) | set(gone)]
+    n = node_count(len(left), tasks_per_node, global_batch, accumulate)
+    if n == 0:
+        return Plan(
+            "exit",
+            step.status,
+            why=f"lost {','.join(gone)}; train.global_batch_size={global_batch} splits over none of the {len(left)} node(s) left",
+        )
+    return Plan("restart", nodes=tuple(left[:n]), why=f"lost {','.join(gone)}")
+
+
+def step_restart(environ: Mapping[str, str]) -> int:
+    """This step's relaunch number inside the allocation (0 outside a supervised step)."""
+    value = environ.get(STEP_RESTART, "0")
+    return int(value) if value.isdigit() else 0

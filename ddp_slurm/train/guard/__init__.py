@@ -1,0 +1,223 @@
+"""The guard: a run that heals itself from a loss spike or a non-finite loss, in the same job.
+
+The loop asks three things of it (``loop.loop``): ``skipped(step)`` before a step (a skipped step trains
+nothing: ``skips.py``), ``stepped(loss)`` after one, and ``check(bad)`` once the ranks agreed on a step,
+which returns the batches to go on with when it moved the run (None: go on). With ``guard.rollbacks`` at 0
+it only stops the run on a non-finite loss (exit 1), as before; otherwise:
+
+1. **Detect** (``spike.py``): every rank judges the same mean loss over the ranks, which the stop vote
+   carries one step late at no cost; and the vote's non-finite flag. No added host sync.
+2. **Roll back** (``Checkpointer.go_back``): every rank restores the newest checkpoint before the suspect
+   steps (``guard.suspect_steps``, ending at the flagged one), in this process; the newer checkpoints are
+   set aside, never deleted. A fresh guarded run saves step 0 first, so there always is one.
+3. **Replay** (``replay.py``) the steps from there to the flagged one: the data order is addressed by
+   position and every RNG stream restored, so sound hardware computes the same bits again. Each rank
+   compares its losses and gradient fingerprints with the first pass.
+4. **Verdict**: reproduced: the data did it; its steps are skipped (``skips.py``) and the run goes back
+   once more and trains on without them. Not reproduced: a fault; the rank that computed differently is
+   named with its host, the host is recorded in ``lost_nodes`` (kept out of the next requeue or submit),
+   and training goes on from the replay, which is sound.
+
+Each rollback, verdict and skip is a log line, a metrics.jsonl line (``report`` draws them) and a line of
+``<run dir>/guard.jsonl`` (``record.py``); skipped steps and the rollback count are in every checkpoint.
+``guard.rollbacks`` rollbacks at most: the next flag ends the run (exit 1) naming its steps. docs/guard.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ddp_slurm import errors, skips
+from ddp_slurm.distributed.group import on_rank0
+from ddp_slurm.skips import Skips
+from ddp_slurm.slurmjob import badnodes
+from ddp_slurm.train.checkpoint.state import gather
+from ddp_slurm.train.guard import record, replay, spike
+
+log = logging.getLogger("ddp_slurm")
+
+
+class NonFiniteLoss(errors.Error):
+    """The loss became NaN/inf and the guard is off: stop before anything is saved (exit 1)."""
+
+
+class GuardExhausted(errors.Error):
+    """A flagged step with ``guard.rollbacks`` used up, or nothing to go back to (exit 1)."""
+
+
+class Guard:
+    """One per rank and launch; see the module docstring. ``save()``: checkpoint the state now (the loop's)."""
+
+    def __init__(self, t: Any, ckpt: Any, votes: Any, side: Any, save: Callable[[], None]) -> None:
+        self.t, self.ckpt, self.votes, self.side, self.save = t, ckpt, votes, side, save
+        run = t.run
+        self.cfg = run.cfg.guard
+        self.on = self.cfg.rollbacks > 0
+        state = run.pos.guard or spike.fresh()
+        self.flagged, noted = on_rank0(run.env, lambda: record.read(run.cfg.paths), run.groups.host)
+        by_hand = skips.parse(self.cfg.skip) if self.cfg.skip else []
+        self.skips = Skips([tuple(r) for r in state["skips"]] + noted + by_hand)
+        state["skips"], state["rollbacks"] = self.skips.as_list(), max(state["rollbacks"], len(self.flagged))
+        run.pos.guard = state
+        run.batches.skip = self.skips.covers
+        self.trace = replay.Trace() if self.on else None
+        self.replay: _Replay | None = None
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.t.run.pos.guard
+
+    def start(self) -> None:
+        """Before the first step: a fresh guarded run saves step 0, so that a rollback always has a checkpoint."""
+        if self.on and self.t.run.pos.step == 0 and self.ckpt.saved_step != 0:
+            self.save()
+
+    def skipped(self, step: int) -> bool:
+        """Whether ``step``'s batch is skipped (no batch is drawn for it: ``loader.kept_steps``)."""
+        return bool(self.skips) and self.skips.covers(step)
+
+    def stepped(self, loss: Any) -> None:
+        """After a trained step: this rank's loss and gradient fingerprint, kept on the device."""
+        if self.trace is not None and loss is not None:
+            trace = self.replay.trace if self.replay is not None else self.trace
+            trace.add(self.t.run.pos.step, loss, self.t.run.model)
+
+    def check(self, bad: bool) -> Iterator[Any] | None:
+        """Once the ranks agreed on a step: the batches to go on with when the run moved, else None."""
+        losses = list(self.votes.losses)
+        self.votes.losses.clear()
+        pos = self.t.run.pos
+        if not self.on:
+            if bad:
+                raise NonFiniteLoss(
+                    f"{self.votes.bad} (epoch {pos.epoch + 1}): stopping; nothing non-finite was saved "
+                    "(lower train.lr and start a new run.name, or let the guard roll back: guard.rollbacks)"
+                )
+            return None
+        flagged: tuple[int, str] | None = None
+        for step, value in losses:
+            why = spike.observe(self.state, value, self.cfg.spike, self.cfg.warmup, self.cfg.window)
+            if why and flagged is None:
+                flagged = (step, why)
+        if bad and (flagged is None or self.votes.bad_step <= flagged[0]):
+            flagged = (self.votes.bad_step, self.votes.bad.replace(f" at step {self.votes.bad_step}", ""))
+        if self.replay is not None:  # a replay judges by its records, not by its flags
+            return self._verdict() if pos.step >= self.replay.end else None
+        return self._roll_back(*flagged) if flagged is not None else None
+
+    # -- rollback, replay, verdict --------------------------------------------------------------
+    def _roll_back(self, step: int, why: str) -> Iterator[Any]:
+        window = (max(1, step - self.cfg.suspect_steps + 1), step)
+        used = self.state["rollbacks"]
+        again = step in self.flagged  # flagged before this launch, its replay cut short by a stop: the same one
+        if used >= self.cfg.rollbacks and not again:
+            raise GuardExhausted(
+                f"{why} at step {step} (suspect: {_steps(window)}): guard.rollbacks={self.cfg.rollbacks} "
+                f"used up; stopping. Resume with a higher guard.rollbacks, or guard.skip={skips.show([window])}"
+            )
+        number = used if again else used + 1
+        self.flagged.add(step)
+        to = self._go_back(window[0], number)
+        self._say(
+            "guard: %s at step %d: rolled back to step %d to replay steps %d-%d (rollback %d of %d)",
+            why,
+            step,
+            to,
+            to + 1,
+            step,
+            number,
+            self.cfg.rollbacks,
+        )
+        self._line("rollback", step, to=to, why=why, suspect=list(window), rollback=number)
+        first = self.trace.since(to) if self.trace is not None else replay.Trace()
+        self.replay = _Replay(step, window, first)
+        return self._batches()
+
+    def _verdict(self) -> Iterator[Any] | None:
+        run, rp = self.t.run, self.replay
+        assert rp is not None
+        mine = replay.compare(rp.first, rp.trace) | {"rank": run.rank, "host": badnodes.host_name()}
+        reports = gather(mine, run.rank, run.world_size, run.groups.host)
+        reproduced, named, at = on_rank0(run.env, lambda: replay.judge(reports), run.groups.host)
+        hosts = on_rank0(run.env, lambda: [reports[r]["host"] for r in named], run.groups.host)
+        digests = {"first": mine["first"], "replay": mine["replay"], "steps": mine["steps"]}
+        self.replay = None
+        first, last = rp.window
+        if reproduced:
+            self.skips.add([rp.window])
+            g = run.cfg.train.global_batch_size
+            self._say(
+                "guard: the replay reproduced step %d: the data of %s is bad (samples %d-%d of the data order); "
+                "skipping it and going back again",
+                rp.end,
+                _steps(rp.window),
+                (first - 1) * g,
+                last * g - 1,
+            )
+            self._line("replay", rp.end, verdict="reproduced", suspect=list(rp.window), **digests)
+            self._line("skip", rp.end, steps=[first, last], samples=[(first - 1) * g, last * g])
+            self.trace = replay.Trace()
+            self._go_back(first, self.state["rollbacks"])
+            return self._batches()
+        who = ", ".join(f"rank {r} (host {h})" for r, h in zip(named, hosts))
+        self._say(
+            "guard: the replay did not reproduce step %d: %s computed differently at step %s: a fault, not the "
+            "data; recorded in %s, training goes on from the replay",
+            rp.end,
+            who,
+            at,
+            run.cfg.paths.lost_nodes,
+        )
+        self._line("replay", rp.end, verdict="not reproduced", ranks=named, hosts=hosts, at=at, **digests)
+        if run.rank == 0 and hosts:
+            why = f"guard: step {rp.end} not reproduced by a replay; rank(s) {named} computed differently at step {at}"
+            env = run.env
+            badnodes.record(run.cfg.run_dir, hosts, env.job_id, env.restart_count, why, shared=run.cfg.run.shared)
+        self.trace = rp.trace
+        return None
+
+    def _go_back(self, before: int, rollbacks: int) -> int:
+        """Every rank: the newest checkpoint before step ``before``, restored; the guard's skipped steps and
+        rollbacks carried over (the checkpoint's own predate them). Returns the step gone back to."""
+        run = self.t.run
+        self.votes.settle()
+        self.votes.losses.clear()
+        self.votes.bad = ""
+        restored = self.ckpt.go_back(before)
+        if restored is None:
+            raise GuardExhausted(
+                f"guard: no checkpoint of this run before step {before} to roll back to; stopping (exit 1)"
+            )
+        restored.guard = (restored.guard or spike.fresh()) | {"skips": self.skips.as_list(), "rollbacks": rollbacks}
+        vars(run.pos).update(vars(restored))  # in place: the loop and the hooks hold this object
+        return run.pos.step
+
+    def _batches(self) -> Iterator[Any]:
+        run = self.t.run
+        self.side.start(self.t)  # the hooks' windows count from the step gone back to
+        return run.batches.epoch(run.pos.epoch, run.pos.step_in_epoch)
+
+    def _say(self, *args: Any) -> None:
+        """A warning on rank 0 (every rank reached the same verdict)."""
+        if self.t.run.rank == 0:
+            log.warning(*args)
+
+    def _line(self, kind: str, step: int, **fields: Any) -> None:
+        """The metrics.jsonl line (and the loggers'), and the run's own record of rollbacks and skips."""
+        t = self.t
+        t.metrics.write(kind, step, t.run.pos.epoch, t.elapsed(), **fields)
+        if kind in ("rollback", "skip") and t.run.rank == 0:
+            record.append(t.run.cfg.paths, kind, step=step, **fields)
+
+
+def _steps(window: tuple[int, int]) -> str:
+    return f"step {window[0]}" if window[0] == window[1] else f"steps {window[0]}-{window[1]}"
+
+
+class _Replay:
+    """A replay under way: to step ``end``; the suspect ``window``; the first pass's trace and its own."""
+
+    def __init__(self, end: int, window: tuple[int, int], first: replay.Trace) -> None:
+        self.end, self.window, self.first, self.trace = end, window, first, replay.Trace()

@@ -1,0 +1,173 @@
+"""Restarting inside the allocation on the real 4-node test cluster (issue 33): the project's sbatch script
+keeps its allocation when a node fails (``--no-kill``) and its supervisor (ddp_slurm/launch/supervise.py)
+relaunches the training step on the nodes left, from the newest checkpoint: the same job, Restarts=0.
+
+``down``   4 nodes x 1 rank, global batch 48: node3 is set DOWN mid-run. Slurm ends the step ("Node failure")
+           and drops node3 from the job; the step runs again on the 3 nodes left and trains to the end. Its
+           weights equal those of the same run resumed by hand at world size 3 from that checkpoint
+           (``ddp-slurm resume --step S --nproc-per-node 3`` on this machine): bit-identical.
+``spare``  4 nodes, ``slurm.spare_nodes=1``: 3 train; rank 1 is SIGKILLed; the relaunch trains on 3 again,
+           the spare in the lost node's place.
+``capped`` 3 nodes, ``slurm.restarts=1``, requeue on: rank 1 killed, relaunched inside on 2 nodes; rank 1
+           killed again: past the cap the survivor requeues the job without both nodes (Restarts=1).
+
+``down`` runs first and alone (a DOWN node ends every job's step on it); ``spare`` and ``capped`` together.
+Every rank has one CPU, so runs are bit-for-bit repeatable.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from cluster.test_faults_cluster import (
+    EVERY,
+    REPO,
+    SAMPLE,
+    Driver,
+    Job,
+    assert_nothing_left,
+    kill_mid_training,
+)
+from conftest import base_env
+from guard_helpers import same_weights
+from helpers import resume
+
+from ddp_slurm.bootstrap import expand_hostlist
+from ddp_slurm.slurmjob import badnodes
+
+pytestmark = pytest.mark.cluster
+
+TRAIN = [
+    "model.name=mlp",
+    "train.global_batch_size=48",  # splits over 4, 3 and 2 ranks
+    "train.log_every_steps=1",
+    f"checkpoint.every_steps={EVERY}",
+    "checkpoint.keep=100",
+]
+ONE_PER_NODE = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1"]
+
+
+def submit(d: Driver, job: Job, nodes: int, *train: str, sbatch: tuple[str, ...] = ()) -> Job:
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, *train]
+    script = str(REPO / "sbatch" / "mnist_4node.sh")
+    return d.submit(job, [f"--nodes={nodes}", *ONE_PER_NODE, *sbatch, script, "--config", SAMPLE, *args])
+
+
+def run_down(d: Driver) -> dict[str, Any]:
+    job = submit(d, Job("down", d.workdir), 4, "train.epochs=1", "dist.timeout_s=30")
+    d.wait_for(job, "two checkpoints", lambda: len(list((job.run_dir / "checkpoints").glob("step-*.pt"))) >= 2)
+    lost = time.monotonic()
+    d.cluster.run(["scontrol", "update", "NodeName=node3", "State=DOWN", "Reason=test"], timeout=30)
+    try:
+        d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
+        d.wait_for(job, "training again", lambda: job.rows()[-1]["kind"] == "train")
+        again = time.monotonic() - lost
+        during = d.cluster.job_info(job.job_id)
+    finally:
+        d.cluster.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30)
+    d.finish(job)
+    return {"job": job, "again": again, "during": during}
+
+
+def run_spare(d: Driver) -> dict[str, Any]:
+    spare = ("train.epochs=100", "slurm.spare_nodes=1", "dist.timeout_s=30", "slurm.requeue=false")
+    job = submit(d, Job("spare", d.workdir), 4, *spare)
+    pid, node, _, killed = kill_mid_training(d, job, rank=1)
+    d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
+    d.wait_for(job, "training again", lambda: job.rows()[-1]["kind"] == "train")
+    again = time.monotonic() - killed
+    during = d.cluster.job_info(job.job_id)
+    d.cluster.cancel(job.job_id, "--signal=USR2")
+    d.finish(job)
+    return {"job": job, "node": node, "again": again, "during": during}
+
+
+def run_capped(d: Driver) -> dict[str, Any]:
+    job = submit(
+        d,
+        Job("capped", d.workdir),
+        3,
+        "train.epochs=100",
+        "slurm.restarts=1",
+        "dist.timeout_s=30",
+        sbatch=("--requeue", "--exclude=node4"),
+    )
+    _, first, _, _ = kill_mid_training(d, job, rank=1)
+    d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
+    d.wait_for(job, "training again", lambda: job.rows()[-1]["kind"] == "train")
+    _, second, _, _ = kill_mid_training(d, job, rank=1)
+    d.wait_for(job, "the requeue", lambda: d.cluster.job_info(job.job_id)["Restarts"] == "1")
+
+    def excluded() -> dict[str, str] | None:  # set right after the requeue, while the job is pending
+        info = d.cluster.job_info(job.job_id)
+        listed = info.get("ExcNodeList", "(null)").replace("(null)", "")
+        return info if listed and {first, second} <= set(expand_hostlist(listed)) else None
+
+    requeued = d.wait_for(job, "the exclusion of both lost nodes", excluded)
+    d.cluster.cancel(job.job_id)
+    d.finish(job)
+    return {"job": job, "lost": [first, second], "requeued": requeued}
+
+
+@pytest.fixture(scope="module")
+def scenarios(slurm_cluster, tmp_path_factory) -> dict[str, Any]:
+    d = Driver(slurm_cluster, tmp_path_factory.mktemp("restart"))
+    try:
+        out = {"down": run_down(d)}
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="restart-job") as pool:
+            spare, capped = pool.submit(run_spare, d), pool.submit(run_capped, d)
+            out |= {"spare": spare.result(), "capped": capped.result()}
+        return out
+    finally:
+        for job in d.jobs:
+            d.cluster.cancel(job.job_id)
+
+
+def starts(job: Job) -> list[tuple[int, int]]:
+    return [(r["world_size"], r["restart_in_allocation"]) for r in job.rows("start")]
+
+
+def test_a_node_set_down_the_step_runs_again_on_the_nodes_left_bit_identically(scenarios, tmp_path, record_property):
+    out = scenarios["down"]
+    job = out["job"]
+    record_property("seconds_to_training_again", round(out["again"], 1))
+    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
+    assert job.info["JobState"] == "COMPLETED", job.describe()
+    assert starts(job) == [(4, 0), (3, 1)], job.describe()
+    assert "relaunching training inside the allocation on 3 node(s) node1,node2,node4" in job.text(), job.describe()
+    assert job.rows()[-1]["kind"] == "end"
+    # The same run, resumed by hand at world size 3 from the checkpoint the relaunch took, on this machine.
+    resumed_at = job.rows("start")[1]["step"]
+    copy = tmp_path / "runs" / "down"
+    shutil.copytree(job.run_dir, copy, symlinks=True)
+    res = resume(copy, "--step", resumed_at, "--nproc-per-node", 3, env=base_env(OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr
+    assert same_weights(job.run_dir, copy)
+
+
+def test_a_spare_node_takes_the_lost_nodes_place(scenarios, record_property):
+    out = scenarios["spare"]
+    job, node = out["job"], out["node"]
+    record_property("seconds_to_training_again", round(out["again"], 1))
+    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
+    assert starts(job) == [(3, 0), (3, 1)], job.describe()
+    assert "spare node(s) node4" in job.text(), job.describe()
+    [relaunch] = re.findall(r"relaunching training inside the allocation on 3 node\(s\) (\S+)", job.text())
+    assert node not in relaunch.split(",") and "node4" in relaunch.split(","), relaunch
+    assert badnodes.excluded(job.run_dir) == [node]
+    assert job.rows()[-1]["kind"] == "stop" and job.info["ExitCode"].startswith("75:"), job.describe()
+    assert_nothing_left(job)
+
+
+def test_past_the_restart_cap_a_lost_node_requeues_the_job_without_it(scenarios):
+    out = scenarios["capped"]
+    job, lost = out["job"], out["lost"]
+    assert starts(job)[:2] == [(3, 0), (2, 1)], job.describe()
+    assert out["requeued"]["Restarts"] == "1", out["requeued"]
+    assert set(expand_hostlist(out["requeued"]["ExcNodeList"])) >= set(lost), out["requeued"]
+    assert badnodes.excluded(job.run_dir) == lost, job.describe()

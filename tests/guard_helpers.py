@@ -1,0 +1,125 @@
+"""A task that poisons known samples, or one rank's loss once, for tests/test_guard.py and the cluster test.
+
+``Poison`` fits a small classifier to random points whose third tensor is each sample's id. Samples named
+by ``poison.ids`` multiply their rank's loss by 1e6: bad data, the same every time it is trained on.
+``poison.fault_rank`` / ``poison.fault_call`` multiply that rank's loss at its N-th training step of the
+process once only: a fault a replay does not reproduce.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+POISON_TASK = '''
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddp_slurm import Task, Tensors
+
+
+@dataclass
+class PoisonSection:
+    ids: str = ""
+    """Comma-separated sample ids whose loss is multiplied by 1e6."""
+    fault_rank: int = -1
+    fault_call: int = 0
+    size: int = 512
+    sleep: float = 0.0
+    signal_call: int = 0
+    """At its N-th training step, the process sends itself SIGUSR2 (a stop that lands on a known step), once:
+    a file ``signalled`` in the working directory says it was sent."""
+    """Seconds each training step sleeps (a run slow enough for a signal to land mid-run)."""
+
+
+@dataclass
+class PoisonConfig:
+    poison: PoisonSection = field(default_factory=PoisonSection)
+
+
+class Poison(Task):
+    Config = PoisonConfig
+    best_metric = "loss"
+    higher_is_better = False
+    fired = False  # the one-shot fault: once per process, never in its replay
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        self.ids = torch.tensor([int(i) for i in config.poison.ids.split(",") if i.strip()], dtype=torch.long)
+        self.calls = 0
+
+    def points(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 8, generator=g)
+        y = (x[:, 0] + x[:, 1] > 0).long()
+        return x, y, torch.arange(n)
+
+    def build_model(self):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
+
+    def train_data(self):
+        return Tensors(*self.points(self.config.poison.size, 0))
+
+    def training_step(self, model, batch):
+        if self.config.poison.sleep:
+            time.sleep(self.config.poison.sleep)
+        x, y, idx = batch
+        loss = F.cross_entropy(model(x), y)
+        if len(self.ids):
+            loss = loss * torch.where(torch.isin(idx, self.ids).any(), 1e6, 1.0)
+        self.calls += 1
+        p = self.config.poison
+        if self.calls == p.signal_call and not os.path.exists("signalled"):  # once per run directory's cwd
+            open("signalled", "w").close()
+            os.kill(os.getpid(), signal.SIGUSR2)
+        if self.ctx.rank == p.fault_rank and self.calls == p.fault_call and not Poison.fired:
+            Poison.fired = True
+            loss = loss * 1e6
+        return loss
+
+    def eval_data(self):
+        return Tensors(*self.points(128, 1))
+
+    def eval_step(self, model, batch):
+        x, y, _ = batch
+        return {"loss": F.cross_entropy(model(x), y, reduction="none")}
+'''
+
+GUARDED = [
+    "task=poison_task.py:Poison",
+    "train.epochs=2",
+    "train.global_batch_size=32",
+    "train.lr=0.01",
+    "train.log_every_steps=4",
+    "checkpoint.every_steps=5",
+    "guard.rollbacks=2",
+    "guard.warmup=5",
+    "guard.window=10",
+]
+"""16 steps per epoch, 32 in all; a checkpoint every 5 steps; the guard on, judging spikes from step 6."""
+
+
+def write_poison_task(folder: Path) -> Path:
+    path = folder / "poison_task.py"
+    path.write_text(POISON_TASK)
+    return path
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The model state of the run's newest checkpoint, whichever backend wrote it."""
+    from ddp_slurm.train.checkpoint import backends, gate
+
+    path, record = gate.latest(run_dir)
+    return backends.backend_at(path).load_whole(path, record)["model"]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    wa, wb = final_weights(a), final_weights(b)
+    import torch
+
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

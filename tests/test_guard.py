@@ -1,0 +1,239 @@
+"""The guard (ddp_slurm/train/guard/): a loss spike rolled back, replayed and judged in the same process.
+
+Bad data (``Poison``'s sample 300 multiplies its rank's loss by 1e6) is reproduced by the replay and skipped:
+the run ends torch.equal to one started with that step skipped (1 rank, 2 ranks ddp and fsdp). A one-shot
+fault on one rank is not reproduced: that rank and its host are named, nothing is skipped, and the run ends
+equal to one that never had the fault. Skipped steps outlive the launch (a resume at another world size keeps
+them), the cap ends the run in one line, and a quiet run of the examples is never flagged.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Launcher
+from guard_helpers import GUARDED, same_weights, write_poison_task
+from helpers import resume
+
+from ddp_slurm import safefs, skips
+from ddp_slurm.config import ConfigError, value_of
+from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.train import loader
+from ddp_slurm.train.checkpoint import schema
+from ddp_slurm.train.guard import record, replay, spike
+
+# -- the rules, as pure functions ------------------------------------------------------------------------
+
+
+def test_skipped_steps_parse_merge_and_refuse_what_is_not_a_list_of_steps() -> None:
+    assert skips.parse("1201-1400, 1650,1401-1410") == [(1201, 1410), (1650, 1650)]
+    assert skips.show(skips.parse("9,18-20")) == "9,18-20"
+    for bad in ("", "0", "5-3", "a-b", "1-2-3", "9,"):
+        with pytest.raises(ValueError):
+            skips.parse(bad)
+    with pytest.raises(ConfigError, match="steps count from 1"):
+        value_of("guard.skip", "5-3")
+    assert skips.Skips([(3, 4)]).covers(4) and not skips.Skips([(3, 4)]).covers(5)
+
+
+def test_a_skipped_step_draws_no_batch_and_every_other_step_keeps_its_own() -> None:
+    """In memory and through the sampler of the Dataset path: the same batches, without the skipped ones."""
+    data = loader.Tensors(torch.arange(64).float().unsqueeze(1))
+    plain = loader.InMemory(data, torch.device("cpu"), 0, 8, 0, 1)
+    every = [b[0].flatten().tolist() for b in plain.epoch(1, 0)]
+    plain.skip = skips.Skips([(10, 11), (16, 16)]).covers  # epoch 1 holds steps 9-16
+    kept = [b[0].flatten().tolist() for b in plain.epoch(1, 0)]
+    assert kept == [every[0]] + every[3:7]
+    sampler = loader.StepSampler(64, 0, 8, 0, 1)
+    sampler.skip = plain.skip
+    sampler.set_position(1, 0)
+    assert [[i for _, i in b] for b in sampler] == [[int(v) for v in b] for b in kept] and len(sampler) == 5
+
+
+def test_spikes_are_judged_after_the_warmup_against_a_robust_running_scale() -> None:
+    state = spike.fresh()
+    g = torch.Generator().manual_seed(0)
+    noisy = (2.0 * torch.exp(-torch.arange(400) / 100) + 0.3 + 0.05 * torch.randn(400, generator=g)).tolist()
+    assert not any(spike.observe(state, v, 10.0, 20, 50) for v in noisy), "a quiet, noisy loss is flagged"
+    assert "deviations above its running mean" in spike.observe(state, 50.0, 10.0, 20, 50)
+    assert spike.observe(state, float("nan"), 10.0, 20, 50) == ""  # the non-finite flag says so itself
+    early = spike.fresh()
+    assert not any(spike.observe(early, v, 10.0, 20, 50) for v in [1.0] * 5 + [1e6])  # inside the warm-up
+
+
+def test_the_verdict_names_the_rank_whose_own_loss_differs_first() -> None:
+    same = {"loss_at": None, "grad_at": None}
+    assert replay.judge([same | {"rank": 0}, same | {"rank": 1}]) == (True, [], None)
+    faulty = [{"rank": 0, "loss_at": 13, "grad_at": 12}, {"rank": 1, "loss_at": 12, "grad_at": 12}]
+    assert replay.judge(faulty) == (False, [1], 12)
+    exchange = [{"rank": 0, "loss_at": None, "grad_at": 7}, {"rank": 1, "loss_at": None, "grad_at": 7}]
+    assert replay.judge(exchange) == (False, [0, 1], 7)
+
+
+def test_traces_compare_bit_for_bit() -> None:
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    a, b = replay.Trace(), replay.Trace()
+    for step in (1, 2):
+        a.add(step, torch.tensor(float(step)), model)
+        b.add(step, torch.tensor(float(step) + (1e-6 if step == 2 else 0)), model)
+    got = replay.compare(a, a.since(0))
+    assert (got["loss_at"], got["grad_at"], got["steps"], got["first"] == got["replay"]) == (None, None, 2, True)
+    got = replay.compare(a, b)
+    assert (got["loss_at"], got["grad_at"], got["first"] == got["replay"]) == (2, None, False)
+
+
+def test_the_record_of_rollbacks_and_skips_reads_back_and_refuses_a_foreign_line(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path)
+    assert record.read(paths) == (set(), [])
+    record.append(paths, "rollback", step=9, to=5)
+    record.append(paths, "skip", step=9, steps=[9, 9])
+    record.append(paths, "skip", step=18, steps=[17, 18])
+    assert record.read(paths) == ({9}, [(9, 9), (17, 18)])
+    with open(paths.guard, "a") as f:
+        f.write('{"event": "skip", "steps": [5')  # a writer killed mid-line: ignored
+    assert record.read(paths) == ({9}, [(9, 9), (17, 18)])
+    with open(paths.guard, "a") as f:
+        f.write('\n{"event": "skip", "steps": "all"}\n')
+    with pytest.raises(safefs.UnsafePath, match="guard.jsonl line"):
+        record.read(paths)
+
+
+def test_a_checkpoint_whose_guard_state_is_not_one_is_refused() -> None:
+    for bad in ({"mean": 1.0}, spike.fresh() | {"skips": [[5, 3]]}, spike.fresh() | {"rollbacks": -1}, []):
+        ok, _ = schema.OPTIONAL["guard"]
+        assert not ok(bad), bad
+    assert schema.OPTIONAL["guard"][0](spike.fresh() | {"skips": [[9, 9]], "mean": 0.5, "seen": 3})
+
+
+# -- whole runs ------------------------------------------------------------------------------------------
+
+
+def rows(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def train(cwd: Path, nproc: int, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    launcher = Launcher(cwd)
+    cmd = launcher.cmd_train(*overrides) if nproc == 1 else launcher.cmd_torchrun(nproc, *overrides)
+    return launcher.run(cmd, check=check)
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-rank guarded run through sample 300, hit at step 9 (epoch 1) and step 18 (epoch 2); a CSV logger."""
+    cwd = tmp_path_factory.mktemp("guard")
+    write_poison_task(cwd)
+    train(cwd, 1, *GUARDED, "poison.ids=300", "log.csv=true", "run.name=poisoned")
+    return cwd
+
+
+def test_the_loggers_get_every_rollback_verdict_and_skip(poisoned: Path) -> None:
+    with open(poisoned / "runs" / "poisoned" / "csv" / "events.csv", newline="") as f:
+        kinds = [row["kind"] for row in csv.DictReader(f)]
+    assert [k for k in kinds if k in ("rollback", "replay", "skip")] == ["rollback", "replay", "skip"] * 2, kinds
+
+
+@pytest.mark.parametrize(("nproc", "strategy"), [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_bad_data_is_rolled_back_replayed_and_skipped_exactly(
+    poisoned: Path, tmp_path: Path, nproc: int, strategy: str
+) -> None:
+    cwd = poisoned
+    name = f"{nproc}-{strategy}"
+    if nproc > 1:
+        train(cwd, nproc, *GUARDED, "poison.ids=300", f"dist.strategy={strategy}", f"run.name=p{name}")
+    run_dir = cwd / "runs" / ("poisoned" if nproc == 1 else f"p{name}")
+    train(cwd, nproc, *GUARDED, "guard.skip=9,18", f"dist.strategy={strategy}", f"run.name=r{name}")
+    assert same_weights(run_dir, cwd / "runs" / f"r{name}")
+    assert [(r["step"], r["to"], r["suspect"]) for r in rows(run_dir, "rollback")] == [
+        (9, 5, [9, 9]),
+        (18, 16, [18, 18]),
+    ]
+    assert all("deviations above its running mean" in r["why"] for r in rows(run_dir, "rollback"))
+    assert [(r["verdict"], r["first"] == r["replay"]) for r in rows(run_dir, "replay")] == [("reproduced", True)] * 2
+    assert [(r["steps"], r["samples"]) for r in rows(run_dir, "skip")] == [([9, 9], [256, 288]), ([18, 18], [544, 576])]
+    assert record.read(RunPaths(run_dir)) == ({9, 18}, [(9, 9), (18, 18)])
+    assert not (run_dir / "lost_nodes").exists()
+    assert rows(run_dir, "end"), "the run did not finish"
+
+
+def test_a_fault_that_a_replay_does_not_reproduce_names_the_rank_and_skips_nothing(tmp_path: Path) -> None:
+    write_poison_task(tmp_path)
+    train(tmp_path, 2, *GUARDED, "poison.fault_rank=1", "poison.fault_call=12", "run.name=fault")
+    train(tmp_path, 2, *GUARDED, "run.name=clean")
+    run_dir = tmp_path / "runs" / "fault"
+    [verdict] = rows(run_dir, "replay")
+    assert (verdict["verdict"], verdict["ranks"], verdict["at"]) == ("not reproduced", [1], 12)
+    assert not rows(run_dir, "skip") and record.read(RunPaths(run_dir)) == ({12}, [])
+    [host] = verdict["hosts"]
+    assert (run_dir / "lost_nodes").read_text().startswith(f"{host}\t")
+    # the replay is sound: the run ends where one without the fault does
+    assert same_weights(run_dir, tmp_path / "runs" / "clean")
+
+
+def test_skipped_steps_outlive_the_launch_at_another_world_size(tmp_path: Path) -> None:
+    """``ddp-slurm resume --step 5 --nproc-per-node 2``: back to step 5 (before both skips; its checkpoint
+    predates them) and on at world size 2. guard.jsonl keeps both skips, so nothing is rolled back again,
+    and the run ends as a run skipping them by hand does."""
+    write_poison_task(tmp_path)
+    for name, extra in (("poisoned", ["poison.ids=300"]), ("byhand", ["guard.skip=9,18"])):
+        train(tmp_path, 1, *GUARDED, *extra, "checkpoint.keep=100", f"run.name={name}")
+        res = resume(tmp_path / "runs" / name, "--step", 5, "--nproc-per-node", 2)
+        assert res.returncode == 0, res.stderr
+    run_dir = tmp_path / "runs" / "poisoned"
+    assert len(rows(run_dir, "rollback")) == 2, "a skipped step was trained again after the resume"
+    assert rows(run_dir, "start")[-1]["world_size"] == 2
+    assert same_weights(run_dir, tmp_path / "runs" / "byhand")
+
+
+def test_a_stop_that_lands_just_before_the_spike_is_judged_first(tmp_path: Path) -> None:
+    """SIGUSR2 during step 8: the vote says stop after step 8's flags, one step before step 9's spike is read.
+    The spike is still judged before the stop's save: rolled back, nothing of step 9 saved; the relaunch
+    rolls back again, skips step 9, and ends where the run left alone ends."""
+    write_poison_task(tmp_path)
+    stopped = train(tmp_path, 1, *GUARDED, "poison.ids=300", "poison.signal_call=8", "run.name=s", check=False)
+    assert stopped.returncode == 75, stopped.stderr
+    run_dir = tmp_path / "runs" / "s"
+    assert [(r["step"], r["to"]) for r in rows(run_dir, "rollback")] == [(9, 5)]
+    assert rows(run_dir, "stop")[-1]["step"] == 5 and not (run_dir / "checkpoints" / "step-9.pt").exists()
+    train(tmp_path, 1, *GUARDED, "poison.ids=300", "poison.signal_call=8", "run.name=s")
+    train(tmp_path, 1, *GUARDED, "poison.ids=300", "run.name=alone")
+    assert same_weights(run_dir, tmp_path / "runs" / "alone")
+    assert [r["steps"] for r in rows(run_dir, "skip")] == [[9, 9], [18, 18]]
+    # step 9 flagged again by the relaunch is the same rollback: two in all, as in the run left alone
+    assert [r["rollback"] for r in rows(run_dir, "rollback")] == [1, 1, 2]
+
+
+def test_one_flag_past_the_cap_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    write_poison_task(tmp_path)
+    res = train(tmp_path, 1, *GUARDED, "guard.rollbacks=1", "poison.ids=300", "run.name=capped", check=False)
+    assert res.returncode == 1, res.stderr
+    assert "at step 18 (suspect: step 18): guard.rollbacks=1 used up; stopping" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_quiet_run_of_the_examples_is_never_flagged(tmp_path: Path) -> None:
+    """The examples' full training with the guard on (its defaults): no rollback."""
+    repo = Path(__file__).resolve().parents[1]
+    launcher = Launcher(tmp_path)
+    runs = {
+        "mnist": launcher.popen(launcher.cmd_train("guard.rollbacks=3", "run.name=mnist")),
+        "addition": launcher.popen(
+            launcher.cmd_train(
+                f"task={repo / 'examples' / 'addition' / 'task.py'}:Addition",
+                "guard.rollbacks=3",
+                "run.name=addition",
+            )
+        ),
+    }
+    for name, proc in runs.items():
+        out, _ = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, out
+        run_dir = tmp_path / "runs" / name
+        assert rows(run_dir, "end") and not rows(run_dir, "rollback"), out

@@ -1,0 +1,64 @@
+"""What follows a training step of the project's batch script (ddp_slurm/slurmjob/restarts.py), with plain
+values: a relaunch inside the allocation on the nodes left, a launch retried, or the job's end."""
+
+from __future__ import annotations
+
+from ddp_slurm.slurmjob.restarts import MAX_LAUNCH_RETRIES, Step, decide, node_count, step_restart
+
+FOUR = ("node1", "node2", "node3", "node4")
+
+
+def plan(step: Step, restarts: int = 0, retries: int = 0, cap: int = 3, avoid=(), batch: int = 48, accumulate=1):
+    return decide(
+        step,
+        restarts=restarts,
+        retries=retries,
+        cap=cap,
+        avoid=list(avoid),
+        tasks_per_node=1,
+        global_batch=batch,
+        accumulate=accumulate,
+    )
+
+
+def test_a_run_that_ended_ends_the_job_with_its_code() -> None:
+    for code in (0, 75, 2, 3):
+        assert (plan(Step(code, True, FOUR)).action, plan(Step(code, True, FOUR)).code) == ("exit", code)
+
+
+def test_a_lost_node_relaunches_on_the_nodes_left_as_many_as_the_batch_splits_over() -> None:
+    lost = Step(1, True, FOUR, lost=("node2",), live=FOUR)
+    p = plan(lost)
+    assert (p.action, p.nodes) == ("restart", ("node1", "node3", "node4")) and "node2" in p.why
+    # Slurm dropped node3 from the job (--no-kill), nobody recorded it: gone all the same
+    p = plan(Step(1, True, FOUR, live=("node1", "node2", "node4")))
+    assert (p.action, p.nodes) == ("restart", ("node1", "node2", "node4"))
+    # 64 does not split over 3 nodes: 2 of them
+    assert plan(lost, batch=64).nodes == ("node1", "node3")
+    # a node lost before stays out
+    assert plan(lost, avoid=["node4"]).nodes == ("node1", "node3")
+
+
+def test_past_the_cap_or_without_a_lost_node_the_job_ends_with_the_failure() -> None:
+    lost = Step(1, True, FOUR, lost=("node2",), live=FOUR)
+    p = plan(lost, restarts=3)
+    assert (p.action, p.code) == ("exit", 1) and "slurm.restarts=3 used up" in p.why
+    p = plan(Step(1, True, FOUR, live=FOUR))  # a bug or a NaN: relaunching would fail the same way
+    assert (p.action, p.code) == ("exit", 1) and "no node was lost" in p.why
+    p = plan(Step(1, True, ("node1", "node2"), lost=("node2",), live=("node1", "node2")), batch=3, accumulate=2)
+    assert p.action == "exit" and "splits over none" in p.why
+
+
+def test_a_launch_that_failed_before_training_is_retried_a_few_times() -> None:
+    failed = Step(1, False, FOUR, live=FOUR)
+    p = plan(failed)
+    assert (p.action, p.nodes) == ("retry", FOUR)
+    p = plan(failed, retries=MAX_LAUNCH_RETRIES)
+    assert (p.action, p.code) == ("exit", 1)
+
+
+def test_node_count_and_the_step_restart_variable() -> None:
+    assert [node_count(n, 1, 48, 1) for n in (4, 3, 2, 1, 0)] == [4, 3, 2, 1, 0]
+    assert node_count(3, 4, 64, 1) == 2 and node_count(4, 1, 7, 1) == 1 and node_count(4, 2, 6, 2) == 0
+    assert step_restart({}) == 0 and step_restart({"DDP_SLURM_STEP_RESTART": "2"}) == 2
+    assert step_restart({"DDP_SLURM_STEP_RESTART": "x"}) == 0
