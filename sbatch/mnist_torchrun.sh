@@ -30,6 +30,10 @@
 #   Allow the job to be put back in the queue (by the training itself or by a preemption).
 #SBATCH --requeue
 #   A requeued job appends to its log instead of overwriting the first run's output.
+#   A node that fails does not end the job: Slurm drops it from the allocation, and the training step
+#   is launched again on the nodes left, from the newest checkpoint (slurm.restarts times; past that,
+#   or when this script's own node is lost, the job is requeued without the lost node).
+#SBATCH --no-kill
 #SBATCH --open-mode=append
 #   The log: <job name>-<job id>.out in the directory sbatch was run from (which always exists;
 #   sbatch does not create directories, so a path like logs/%x-%j.out needs `mkdir -p logs` first).
@@ -118,14 +122,13 @@ RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 12000 ))
 
 echo "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s): ${SLURM_JOB_NODELIST}; ${NPROC} process(es) per node (${NPROC_FROM}), ${OMP_NUM_THREADS} thread(s) each; rendezvous ${HEAD}:${RDZV_PORT}; python ${PYTHON}; config ${CONFIG}; started $(date '+%F %T')"
 
-# --ntasks/--ntasks-per-node: one agent per node, whatever task count the job was given.
-# --kill-on-bad-exit=1: if one node fails, stop the others instead of leaving them waiting.
-# --cpus-per-task: spelled out because srun of some Slurm versions (22.05) ignores the job's value.
-srun --kill-on-bad-exit=1 --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS" \
-    "$PYTHON" -m ddp_slurm.launch \
-        --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC" \
-        --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
-        -m ddp_slurm.train ${CONFIG:+--config} ${CONFIG:+"$CONFIG"} "$@"
+# The step runs through ddp_slurm.launch.supervise, which calls srun with one agent per node
+#   (--ntasks-per-node=1) and --kill-on-bad-exit=1 (if one node fails, the others stop instead of waiting),
+#   each agent `python -m ddp_slurm.launch --nnodes=<nodes> --nproc-per-node=$NPROC` with its rendezvous on
+#   the launch's first node. When a node is lost it launches again on the nodes left (a fresh rendezvous on
+#   the next port, one log line says so); a launch that fails before training begins is tried again.
+"$PYTHON" -m ddp_slurm.launch.supervise --torchrun "$NPROC" --rdzv-port "$RDZV_PORT" -- \
+    "$PYTHON" -m ddp_slurm.train ${CONFIG:+--config} ${CONFIG:+"$CONFIG"} "$@"
 status=$?
 # 0: finished. 75: stopped on the signal after a checkpoint (the job is already requeued when
 # rank 0 could do it). Anything else: a failure, the reason is in the lines above.

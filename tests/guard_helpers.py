@@ -3,7 +3,8 @@
 ``Poison`` fits a small classifier to random points whose third tensor is each sample's id. Samples named
 by ``poison.ids`` multiply their rank's loss by 1e6: bad data, the same every time it is trained on.
 ``poison.fault_rank`` / ``poison.fault_call`` multiply that rank's loss at its N-th training step of the
-process once only: a fault a replay does not reproduce.
+process once only: a fault a replay does not reproduce. ``poison.record`` writes the sample ids each rank
+trains on (``global_batches`` reads them back).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class PoisonSection:
     """At its N-th training step, the process sends itself SIGUSR2 (a stop that lands on a known step), once:
     a file ``signalled`` in the working directory says it was sent."""
     """Seconds each training step sleeps (a run slow enough for a signal to land mid-run)."""
+    record: bool = False
+    """Each training micro-batch appends its sample ids, one line, to ``<run dir>/ids/<world size>-<rank>.txt``."""
 
 
 @dataclass
@@ -70,6 +73,11 @@ class Poison(Task):
             time.sleep(self.config.poison.sleep)
         x, y, idx = batch
         loss = F.cross_entropy(model(x), y)
+        if self.config.poison.record and model.training:
+            folder = self.ctx.run_dir / "ids"
+            folder.mkdir(exist_ok=True)
+            with open(folder / f"{self.ctx.world_size}-{self.ctx.rank}.txt", "a") as f:
+                f.write(" ".join(str(i) for i in idx.tolist()) + "\\n")
         if len(self.ids):
             loss = loss * torch.where(torch.isin(idx, self.ids).any(), 1e6, 1.0)
         self.calls += 1
@@ -123,3 +131,20 @@ def same_weights(a: Path, b: Path) -> bool:
     import torch
 
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def global_batches(run_dir: Path, world: int, accumulate: int) -> list[list[int]]:
+    """The sample ids of each optimizer step of a ``poison.record`` run at world size ``world`` (sorted), read
+    from its ranks' files: a rank's ``accumulate`` micro-batches in a row make its share of one step. Raises
+    when a rank's micro-batches differ in size from the first (the per-rank micro-batch was not kept)."""
+    ranks = [
+        [[int(i) for i in line.split()] for line in (run_dir / "ids" / f"{world}-{r}.txt").read_text().splitlines()]
+        for r in range(world)
+    ]
+    sizes = {len(micro) for rank in ranks for micro in rank}
+    assert len(sizes) == 1, f"micro-batches of {sorted(sizes)} samples at world size {world}"
+    steps = len(ranks[0]) // accumulate
+    return [
+        sorted(i for rank in ranks for micro in rank[s * accumulate : (s + 1) * accumulate] for i in micro)
+        for s in range(steps)
+    ]

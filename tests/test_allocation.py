@@ -93,6 +93,12 @@ def test_ignored_keys_are_one_warning_line_naming_each() -> None:
         assert part in warnings[0]
 
 
+def test_a_node_count_inside_the_range_asked_for_is_silent() -> None:
+    assert check_allocation(matching("slurm.nodes=1-3"), ENV, JOB, script()) == []
+    [warning] = check_allocation(matching("slurm.nodes=3-4"), ENV, JOB, script())
+    assert "slurm.nodes=4 (the job has 2)" in warning
+
+
 def test_torchrun_agents_are_not_ranks() -> None:
     """Under `srun torchrun` a task is an agent: its task and CPU counts say nothing about ranks."""
     cfg = matching("slurm.tasks_per_node=4", "slurm.cpus_per_task=8")

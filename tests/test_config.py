@@ -475,3 +475,19 @@ def test_explain_speaks_to_users_not_to_the_project_s_history() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "784-100-10" in res.stdout and "seed document" not in res.stdout
+
+
+def test_a_node_range_is_two_keys_and_every_count_in_it_must_keep_the_micro_batch() -> None:
+    cfg = config.load(None, ["slurm.nodes=2-4", "train.global_batch_size=96", "train.micro_batch_size=8"])
+    assert (cfg.slurm.min_nodes, cfg.slurm.nodes, cfg.slurm.node_span, cfg.slurm.nodes_text) == (2, 4, (2, 4), "2-4")
+    config.check_node_range(cfg, 1)
+    assert [config.accumulation(cfg, n) for n in (2, 3, 4)] == [6, 4, 3]
+    with pytest.raises(
+        config.ConfigError, match=r"on 4 node\(s\) x 2 task\(s\), one of --nodes 2-4: make it a multiple of 192"
+    ):
+        config.check_node_range(cfg, 2)
+    with pytest.raises(config.ConfigError, match="slurm.min_nodes=5 is more than slurm.nodes=4"):
+        config.check_node_range(config.with_overrides(cfg, ["slurm.min_nodes=5"]), 1)
+    with pytest.raises(config.ConfigError, match="expected MIN-MAX with 1 <= MIN <= MAX, got '0-4'"):
+        config.load(None, ["slurm.nodes=0-4"])
+    assert config.load(None, ["slurm.nodes=3"]).slurm.node_span == (3, 3)

@@ -3,6 +3,7 @@ values: a relaunch inside the allocation on the nodes left, a launch retried, or
 
 from __future__ import annotations
 
+from ddp_slurm.launch.supervise import _command
 from ddp_slurm.slurmjob.restarts import MAX_LAUNCH_RETRIES, Step, decide, node_count, step_restart
 
 FOUR = ("node1", "node2", "node3", "node4")
@@ -62,3 +63,23 @@ def test_node_count_and_the_step_restart_variable() -> None:
     assert node_count(3, 4, 64, 1) == 2 and node_count(4, 1, 7, 1) == 1 and node_count(4, 2, 6, 2) == 0
     assert step_restart({}) == 0 and step_restart({"DDP_SLURM_STEP_RESTART": "2"}) == 2
     assert step_restart({"DDP_SLURM_STEP_RESTART": "x"}) == 0
+
+
+def test_under_torchrun_each_launch_has_its_own_rendezvous_on_its_first_node() -> None:
+    train = ["/venv/bin/python", "-m", "ddp_slurm.train", "--config", "job.yaml", "train.epochs=2"]
+    assert _command(train, ("node1", "node2"), 0, 20042, "42.0") == train  # one srun task per rank: as given
+    assert _command(train, ("node3", "node4"), 4, 20043, "42.1") == [
+        "/venv/bin/python",
+        "-m",
+        "ddp_slurm.launch",
+        "--nnodes=2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node3:20043",
+        "--rdzv-id=42.1",
+        "-m",
+        "ddp_slurm.train",
+        "--config",
+        "job.yaml",
+        "train.epochs=2",
+    ]

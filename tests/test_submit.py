@@ -132,6 +132,18 @@ def test_dry_run_takes_defaults_from_the_config_and_flags_win(launcher: Launcher
     assert flags["job-name"] == "fromfile"
 
 
+def test_a_node_range_is_sbatchs_own_and_recorded_as_two_keys(launcher: Launcher) -> None:
+    """``--nodes 2-4``: Slurm may start the job on 2, 3 or 4 nodes; each keeps the global batch of 96 with
+    micro-batches of 8 (6, 4 or 3 of them per step), so it is submitted; the config records the range."""
+    res = launcher.run(
+        SUBMIT + ["--dry-run", "--nodes", "2-4", "train.global_batch_size=96", "train.micro_batch_size=8"]
+    )
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH --nodes=2-4\n" in res.stdout
+    assert "# world size: 2-4 (2-4 node(s) x 1 rank(s) per node)" in res.stderr
+    assert "#     nodes: 4\n#     min_nodes: 2\n" in res.stderr
+
+
 def test_resource_flags_are_made_from_the_slurm_sections_fields() -> None:
     """One declaration per key: each slurm.* field is a flag (its docstring the help, its check the check),
     with the spellings users have; requeue (on by default) and requeue_mode (submit jobs never chain) are not, nor
@@ -217,6 +229,12 @@ def test_dry_run_of_a_sweep_is_a_job_array(launcher: Launcher) -> None:
         (["--name", "a/b"], "run.name"),
         (["--config", "missing.yaml"], "missing.yaml not found"),
         (["--nodes", "3"], "not divisible by the world size 3"),
+        (["--nodes", "4-2"], "expected MIN-MAX with 1 <= MIN <= MAX, got '4-2'"),
+        (["--nodes", "2-4", "train.global_batch_size=96"], "set train.micro_batch_size=8"),
+        (
+            ["--nodes", "2-4", "train.global_batch_size=96", "train.micro_batch_size=16"],
+            "on 4 node(s) x 1 task(s), one of --nodes 2-4: make it a multiple of 192",
+        ),
         (["--sweep", "train.lr"], "bad --sweep 'train.lr'"),
         (["--sweep", "slurm.nodes=1,2"], "--sweep cannot vary slurm.nodes"),
         (["--sweep", "train.lr=1e-3,-1"], "train.lr"),

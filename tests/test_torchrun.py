@@ -174,10 +174,8 @@ def test_script_is_valid_bash_with_the_slurm_options(script):
     ):
         assert f"#SBATCH {option}" in text, option
     assert '"$@"' in text
-    if script.name == "mnist_4node.sh":  # its supervisor runs srun --kill-on-bad-exit=1 and relaunches after a loss
-        assert "#SBATCH --no-kill" in text and '"$PYTHON" -m ddp_slurm.launch.supervise --' in text
-    else:
-        assert "srun --kill-on-bad-exit=1" in text
+    # Their supervisor runs srun --kill-on-bad-exit=1 and relaunches after a loss (tests/test_restarts.py).
+    assert "#SBATCH --no-kill" in text and '"$PYTHON" -m ddp_slurm.launch.supervise ' in text
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

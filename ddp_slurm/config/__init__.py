@@ -26,6 +26,7 @@ from ddp_slurm.config.files import (
 from ddp_slurm.config.loading import (
     CONTROL,
     accumulation,
+    check_node_range,
     check_world_size,
     checked_with,
     from_dict,
@@ -71,6 +72,7 @@ __all__ = [
     "changed_config",
     "changes_from",
     "accumulation",
+    "check_node_range",
     "check_world_size",
     "checked",
     "checked_with",

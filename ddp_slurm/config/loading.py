@@ -29,6 +29,18 @@ from ddp_slurm.config.unchecked import Given, Unchecked
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # never in a config string: they reach job scripts
 _INT_LIMIT = 1 << 62  # larger integers overflow the int64s they end up in (torch, timedelta, Slurm)
 _SCALARS = (str, int, float, bool, type(None))
+NODE_RANGE = re.compile(r"\s*(\d{1,6})\s*-\s*(\d{1,6})\s*")  # slurm.nodes=2-4: min_nodes 2, nodes 4
+
+
+def _node_range(value: Any, where: str) -> tuple[int, int] | None:
+    """``slurm.nodes`` given as ``MIN-MAX``: (MIN, MAX); None for anything else (checked as an integer)."""
+    span = NODE_RANGE.fullmatch(value) if isinstance(value, str) else None
+    if span is None:
+        return None
+    lo, hi = int(span[1]), int(span[2])
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"slurm.nodes in {where}: expected MIN-MAX with 1 <= MIN <= MAX, got {value!r}")
+    return lo, hi
 
 
 def _describe(tp: Any) -> str:
@@ -140,6 +152,10 @@ def _apply(cfg: Config, key: str, value: Any, where: str, text: str | None = Non
         key = "slurm.time"
     if key == "slurm.time" and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)  # `time: 90` in YAML: minutes, as sbatch reads a bare number
+    if key == "slurm.nodes" and (span := _node_range(value, where)):  # a range: two keys
+        _apply(cfg, "slurm.min_nodes", span[0], where)
+        _apply(cfg, "slurm.nodes", span[1], where)
+        return
     section, _, name = key.partition(".")
     if not cfg.resolved and section not in RUNTIME_SECTIONS:
         _keep(cfg.task_config, key, value, where, text)
@@ -303,6 +319,8 @@ def value_of(key: str, text: str) -> Any:
     target = _type_hints(Config)[section]()
     name = _keys(target)[name]
     value: Any = text
+    if key == "slurm.nodes" and _node_range(text, "--nodes"):
+        return text.strip()  # MIN-MAX, split into slurm.min_nodes and slurm.nodes when applied
     if not _wants_text(_field_types(target)[name]):
         value = parse_override(f"{key}={text}")[1]
     try:
@@ -354,3 +372,38 @@ def check_world_size(cfg: Config, world: int, how: str = "") -> None:
             f"train.global_batch_size={g} does not split into {world} rank(s) x train.accumulate={n} micro-batches"
             f"{how}: choose a multiple of {world * n}"
         )
+
+
+def check_node_range(cfg: Config, tasks_per_node: int) -> None:
+    """Every node count the job may start on (``slurm.min_nodes`` to ``slurm.nodes``) keeps the global batch with
+    one per-rank micro-batch (``train.micro_batch_size``): ConfigError naming the first count that does not, and
+    a value that fits every count. ``submit`` checks it before the job queues."""
+    lo, hi = cfg.slurm.node_span
+    if lo > hi:
+        raise ConfigError(
+            f"slurm.min_nodes={lo} is more than slurm.nodes={hi}: ask for --nodes MIN-MAX with MIN <= MAX"
+        )
+    g = cfg.train.global_batch_size
+    counts = range(lo, hi + 1)
+    if lo < hi and cfg.train.micro_batch_size is None:
+        fits = [m for m in range(g, 0, -1) if all(g % (n * tasks_per_node * m) == 0 for n in counts)]
+        fix = (
+            f"set train.micro_batch_size={fits[0]}"
+            if fits
+            else f"make train.global_batch_size a multiple of {math.lcm(*counts) * tasks_per_node}"
+        )
+        raise ConfigError(
+            f"--nodes {lo}-{hi} changes the world size, and train.accumulate={cfg.train.accumulate} would change the "
+            f"per-rank micro-batch with it: {fix} (each launch then chooses its accumulation)"
+        )
+    if lo == hi:
+        check_world_size(cfg, hi * tasks_per_node, f" ({hi} node(s) x {tasks_per_node} task(s))")
+        return
+    m = cfg.train.micro_batch_size
+    for n in counts:
+        if g % (n * tasks_per_node * m):
+            raise ConfigError(
+                f"train.global_batch_size={g} does not split into micro-batches of train.micro_batch_size={m} on {n} "
+                f"node(s) x {tasks_per_node} task(s), one of --nodes {lo}-{hi}: make it a multiple of "
+                f"{math.lcm(*counts) * tasks_per_node * m}, or narrow the range"
+            )

@@ -261,7 +261,15 @@ class SlurmConfig:
     RESUMABLE: ClassVar[bool] = True  # how a run is saved, placed or logged, not what it computes
 
     nodes: int = checked(1, check=lambda v: v >= 1, expected="an integer >= 1", flags=("-N", "--nodes"))
-    """Nodes ``submit`` asks for."""
+    """Nodes ``submit`` asks for; ``MIN-MAX`` (``--nodes 2-4``, ``slurm.nodes=2-4``) is a range: this is MAX and
+    ``slurm.min_nodes`` MIN."""
+    min_nodes: int | None = checked(
+        None, check=lambda v: v is None or v >= 1, expected="null or an integer >= 1", flags=()
+    )
+    """With ``nodes``, a range (sbatch's ``--nodes=MIN-MAX``): Slurm starts the job on as few as this many nodes
+    when ``nodes`` are not free. Every count in the range must keep the global batch with the same per-rank
+    micro-batch (``train.micro_batch_size``), or ``submit`` refuses it before the job queues (null: exactly
+    ``nodes``)."""
     gpus_per_node: int = checked(0, check=lambda v: v >= 0, expected="an integer >= 0")
     """GPUs per node ``submit`` asks for (0: a CPU job)."""
     tasks_per_node: int | None = checked(
@@ -327,6 +335,17 @@ class SlurmConfig:
     them a lost node requeues the job as before (0: always requeue). docs/faults.md."""
     max_requeues: int = checked(20, check=lambda v: v >= 0, expected="an integer >= 0")
     """Cap on requeues (``SLURM_RESTART_COUNT``); beyond it the job stops with a message instead of looping."""
+
+    @property
+    def node_span(self) -> tuple[int, int]:
+        """(fewest, most) nodes the job may run on."""
+        return (self.min_nodes or self.nodes, self.nodes)
+
+    @property
+    def nodes_text(self) -> str:
+        """``4`` or ``2-4``, as sbatch's ``--nodes`` says it."""
+        lo, hi = self.node_span
+        return f"{lo}-{hi}" if lo != hi else str(hi)
 
 
 RUNTIME_SECTIONS = ("run", "train", "eval", "checkpoint", "guard", "dist", "slurm", "log")

@@ -86,7 +86,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     tasks = cfg.slurm.tasks_per_node or cfg.slurm.gpus_per_node or 1
     if args.cluster != "slurm" and cfg.slurm.nodes > 1:
         raise UsageError(
-            f"--nodes {cfg.slurm.nodes} needs Slurm, but --cluster {args.cluster} runs on this "
+            f"--nodes {cfg.slurm.nodes_text} needs Slurm, but --cluster {args.cluster} runs on this "
             "machine only: use --nodes 1, or --cluster slurm on a Slurm login node"
         )
     if args.cluster == "debug" and tasks > 1:
@@ -103,9 +103,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         cfg = config.resolve(cfg)
     head = ["--config", str(cfg_path)] if cfg_path else []
     runs = _runs(args, cfg, root, head, base)
-    world = cfg.slurm.nodes * tasks
     for run in runs:
-        config.check_world_size(run.cfg, world, f" ({cfg.slurm.nodes} node(s) x {tasks} task(s))")
+        config.check_node_range(run.cfg, tasks)
         saved = RunPaths(run.run_dir).config
         if os.path.lexists(saved):
             diffs = _changes(saved, run.cfg)
@@ -222,6 +221,8 @@ def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
     # The signal is named explicitly (submitit would write its own USR_SIG); requeue is what lets
     # `scontrol requeue` and a preempting Slurm put the job back in the queue.
     extra = {**plan.sbatch, "signal": f"{s.signal}@{s.signal_delay_s}", "requeue" if s.requeue else "no_requeue": True}
+    if s.min_nodes and s.min_nodes < s.nodes:  # submitit types nodes as an int: the range is sbatch's own option
+        extra["nodes"] = s.nodes_text
     if plan.exclude:  # nodes this run lost a rank on (slurmjob/badnodes.py): a resubmission does not ask for them again
         extra["exclude"] = ",".join(filter(None, [str(plan.sbatch.get("exclude") or ""), *plan.exclude]))
     specific = {

@@ -65,10 +65,11 @@ def summary(plan: Plan) -> str:
     import yaml
 
     s = plan.cfg.slurm
-    world = s.nodes * plan.tasks_per_node
+    lo, hi = s.node_span
+    world = "-".join(str(n * plan.tasks_per_node) for n in sorted({lo, hi}))
     gpus = f"{s.gpus_per_node} GPU(s) per node" if s.gpus_per_node else "no GPU (slurm.gpus_per_node=0: a CPU job)"
     asked = [
-        f"{s.nodes} node(s)",
+        f"{s.nodes_text} node(s)",
         f"{plan.tasks_per_node} task(s) per node",
         f"{s.cpus_per_task} CPU(s) per task",
         gpus,
@@ -77,7 +78,7 @@ def summary(plan: Plan) -> str:
     ]
     asked += [f"{k} {v}" for k, v in (("account", s.account), ("qos", s.qos), ("mem", s.mem)) if v]
     lines = [
-        f"world size: {world} ({s.nodes} node(s) x {plan.tasks_per_node} rank(s) per node)",
+        f"world size: {world} ({s.nodes_text} node(s) x {plan.tasks_per_node} rank(s) per node)",
         "resources: " + ", ".join(asked),
         f"stop signal: {s.signal} {s.signal_delay_s} s before the time limit; requeue {'on' if s.requeue else 'off'}",
     ]

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def describe(plan: Plan, jobs: list[Any], cluster: str) -> None:
     """Job id, run directories and log paths, on stdout."""
-    shape = f"{plan.cfg.slurm.nodes} node(s) x {plan.tasks_per_node} task(s)"
+    shape = f"{plan.cfg.slurm.nodes_text} node(s) x {plan.tasks_per_node} task(s)"
     ids = [str(job.job_id) for job in jobs]
     job_id = ids[0].split("_")[0] if plan.sweep and cluster == "slurm" else ",".join(ids)  # an array: its id
     log = lambda job: job.task(0).paths.stdout  # noqa: E731  (rank 0; the others: _<rank>_log.out)

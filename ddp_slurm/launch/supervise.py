@@ -1,5 +1,5 @@
-"""``python -m ddp_slurm.launch.supervise -- PYTHON -m ddp_slurm.train ...``: the batch script's training step,
-relaunched inside the allocation when a node is lost (``slurmjob/restarts.py`` decides).
+"""``python -m ddp_slurm.launch.supervise [--torchrun NPROC] -- PYTHON -m ddp_slurm.train ...``: the batch script's
+training step, relaunched inside the allocation when a node is lost (``slurmjob/restarts.py`` decides).
 
 The batch script keeps its allocation when a node fails (``#SBATCH --no-kill``: Slurm then drops the node
 from the job and lets it run on). This runs the training step with ``srun`` on the job's nodes and, when the
@@ -12,6 +12,9 @@ step ends, asks ``restarts.decide``:
   after a loss trains on as many nodes as before;
 - a launch that failed before any rank started training: launched again after 2 s (``MAX_LAUNCH_RETRIES``);
 - anything else ends the job with the step's exit code, as ``srun`` alone would.
+
+``sbatch/mnist_4node.sh`` runs one srun task per rank; ``sbatch/mnist_torchrun.sh`` (``--torchrun NPROC``) one
+per node, a torchrun agent starting NPROC ranks, its rendezvous on the first node of each launch.
 
 Every decision is one log line. The relaunched run's ``start`` line in metrics.jsonl says which relaunch it is
 (``restart_in_allocation``), and ``report`` shows it. The steps run with ``DDP_SLURM_SUPERVISED`` naming this
@@ -94,8 +97,35 @@ def _lost_since(path: Path, before: int, job: str) -> tuple[str, ...]:
     return tuple(sorted({f[0] for f in fields if len(f) > 1 and f[1] == job and badnodes.HOST.fullmatch(f[0])}))
 
 
+def _command(train: list[str], nodes: tuple[str, ...], torchrun: int, port: int, rdzv_id: str) -> list[str]:
+    """What each srun task runs: ``train`` itself (one task per rank), or with ``torchrun`` (processes per node)
+    ``PYTHON -m ddp_slurm.launch`` starting them, its rendezvous on the first of ``nodes``, which are the nodes
+    of this launch (the batch script's own head node may be the one lost)."""
+    if not torchrun:
+        return train
+    return [
+        train[0],
+        "-m",
+        "ddp_slurm.launch",
+        f"--nnodes={len(nodes)}",
+        f"--nproc-per-node={torchrun}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={nodes[0]}:{port}",
+        f"--rdzv-id={rdzv_id}",
+        *train[1:],
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddp_slurm.launch.supervise", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--torchrun",
+        type=int,
+        default=0,
+        metavar="NPROC",
+        help="one task per node, each torchrun (python -m ddp_slurm.launch) starting NPROC ranks",
+    )
+    p.add_argument("--rdzv-port", type=int, default=29400, help="torchrun's rendezvous port (with --torchrun)")
     p.add_argument(
         "train", nargs=argparse.REMAINDER, help="-- PYTHON -m ddp_slurm.train [--config FILE] [KEY=VALUE ...]"
     )
@@ -104,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     job = os.environ["SLURM_JOB_ID"]
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
+    port = args.rdzv_port
     try:
         run_dir, cfg = _run_dir(train)
     except Exception as exc:  # a config the step will refuse itself, in its own words: run it once, as srun would
         log.info("job %s: not supervising the training step (%s)", job, str(exc).splitlines()[0])
-        return subprocess.run(["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}", *train]).returncode
+        step = _command(train, tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"])), args.torchrun, port, job)
+        return subprocess.run(["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}", *step]).returncode
     paths = RunPaths(run_dir)
     per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
-    tasks = int(per_node.split("(")[0].split(",")[0] or 1)
+    tasks = 1 if args.torchrun else int(per_node.split("(")[0].split(",")[0] or 1)  # srun's tasks per node
+    ranks = args.torchrun or tasks  # training ranks per node
     nodes = _live_nodes(job) or tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"]))
     spare = cfg.slurm.spare_nodes
     if spare:
@@ -141,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--ntasks={len(nodes) * tasks}",
             f"--ntasks-per-node={tasks}",
             f"--nodelist={','.join(nodes)}",
-            *train,
+            *_command(train, nodes, args.torchrun, port + made, f"{job}.{made}"),  # a fresh rendezvous each launch
         ]
         status = subprocess.run(cmd, env=env).returncode
         step = restarts.Step(
@@ -158,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             retries=tried,
             cap=cfg.slurm.restarts,
             avoid=avoid,
-            tasks_per_node=tasks,
+            tasks_per_node=ranks,
             global_batch=cfg.train.global_batch_size,
             accumulate=cfg.train.micro_batch_size or cfg.train.accumulate,  # what each rank's share must split into
         )

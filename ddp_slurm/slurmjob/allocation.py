@@ -78,6 +78,8 @@ def check_allocation(
             continue
         if wanted is None or key not in have or (key == "exclusive" and not wanted):
             continue  # not asked for, or not known for this job
+        if key == "nodes" and key in have and s.node_span[0] <= have[key] <= wanted:
+            continue  # a count in the range asked for (slurm.min_nodes)
         if _differs(key, wanted, have[key]):
             ignored.append(f"slurm.{key}={_shown(key, wanted)} (the job has {_shown(key, have[key])})")
     if ignored:

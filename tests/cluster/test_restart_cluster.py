@@ -11,7 +11,14 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
 ``capped`` 3 nodes, ``slurm.restarts=1``, requeue on: rank 1 killed, relaunched inside on 2 nodes; rank 1
            killed again: past the cap the survivor requeues the job without both nodes (Restarts=1).
 
-``down`` runs first and alone (a DOWN node ends every job's step on it); ``spare`` and ``capped`` together.
+``drained`` ``sbatch --nodes=2-4`` while node2 is drained: the job starts on 3 nodes, world size 3, and with
+           ``train.micro_batch_size=4`` chooses 4 micro-batches per step (3 on 4 nodes); the sample ids of every
+           optimizer step equal those of a 4-rank reference run (torchrun on this machine), micro-batches of 4.
+
+``torchrun`` sbatch/mnist_torchrun.sh on 3 nodes (one agent each, one rank per agent): node3 set DOWN mid-run;
+           the agents are launched again on node1 and node2 with a fresh rendezvous, world size 2, to the end.
+
+``down``, ``drained`` and ``torchrun`` run first, one at a time (a DOWN node ends every job's step on it); ``spare`` and ``capped`` together.
 Every rank has one CPU, so runs are bit-for-bit repeatable.
 """
 
@@ -33,8 +40,8 @@ from cluster.test_faults_cluster import (
     assert_nothing_left,
     kill_mid_training,
 )
-from conftest import base_env
-from guard_helpers import same_weights
+from conftest import Launcher, base_env
+from guard_helpers import global_batches, same_weights, write_poison_task
 from helpers import resume
 
 from ddp_slurm.bootstrap import expand_hostlist
@@ -72,6 +79,49 @@ def run_down(d: Driver) -> dict[str, Any]:
         d.cluster.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30)
     d.finish(job)
     return {"job": job, "again": again, "during": during}
+
+
+RANGED = [
+    "task=poison_task.py:Poison",  # a task that records the sample ids of each micro-batch
+    "poison.record=true",
+    "train.epochs=1",
+    "train.global_batch_size=48",
+    "train.micro_batch_size=4",  # 4 ranks: 3 micro-batches per step; 3 ranks: 4; 2 ranks: 6
+    "train.log_every_steps=1",
+]
+
+
+def run_drained(d: Driver) -> dict[str, Any]:
+    write_poison_task(d.workdir)
+    job = Job("drained", d.workdir)
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *RANGED]
+    d.cluster.run(["scontrol", "update", "NodeName=node2", "State=DRAIN", "Reason=test"], timeout=30)
+    try:
+        d.submit(job, ["--nodes=2-4", *ONE_PER_NODE, str(REPO / "sbatch" / "mnist_4node.sh"), *args])
+        d.wait_for(job, "its start", lambda: job.rows("start"))
+        during = d.cluster.job_info(job.job_id)
+    finally:
+        d.cluster.run(["scontrol", "update", "NodeName=node2", "State=RESUME"], timeout=30)
+    d.finish(job)
+    return {"job": job, "during": during}
+
+
+def run_torchrun(d: Driver) -> dict[str, Any]:
+    job = Job("torchrun", d.workdir)
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "train.epochs=1"]
+    script = str(REPO / "sbatch" / "mnist_torchrun.sh")
+    d.submit(
+        job, ["--nodes=3", "--exclude=node4", *ONE_PER_NODE, script, "--config", SAMPLE, *args, "dist.timeout_s=30"]
+    )
+    d.wait_for(job, "two checkpoints", lambda: len(list((job.run_dir / "checkpoints").glob("step-*.pt"))) >= 2)
+    d.cluster.run(["scontrol", "update", "NodeName=node3", "State=DOWN", "Reason=test"], timeout=30)
+    try:
+        d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
+        during = d.cluster.job_info(job.job_id)
+    finally:
+        d.cluster.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30)
+    d.finish(job)
+    return {"job": job, "during": during}
 
 
 def run_spare(d: Driver) -> dict[str, Any]:
@@ -118,7 +168,7 @@ def run_capped(d: Driver) -> dict[str, Any]:
 def scenarios(slurm_cluster, tmp_path_factory) -> dict[str, Any]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("restart"))
     try:
-        out = {"down": run_down(d)}
+        out = {"down": run_down(d), "drained": run_drained(d), "torchrun": run_torchrun(d)}
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="restart-job") as pool:
             spare, capped = pool.submit(run_spare, d), pool.submit(run_capped, d)
             out |= {"spare": spare.result(), "capped": capped.result()}
@@ -150,6 +200,16 @@ def test_a_node_set_down_the_step_runs_again_on_the_nodes_left_bit_identically(s
     assert same_weights(job.run_dir, copy)
 
 
+def test_under_torchrun_the_agents_are_launched_again_on_the_nodes_left(scenarios):
+    out = scenarios["torchrun"]
+    job = out["job"]
+    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
+    assert job.info["JobState"] == "COMPLETED", job.describe()
+    assert starts(job) == [(3, 0), (2, 1)], job.describe()
+    assert "relaunching training inside the allocation on 2 node(s) node1,node2" in job.text(), job.describe()
+    assert job.rows()[-1]["kind"] == "end"
+
+
 def test_a_spare_node_takes_the_lost_nodes_place(scenarios, record_property):
     out = scenarios["spare"]
     job, node = out["job"], out["node"]
@@ -171,3 +231,21 @@ def test_past_the_restart_cap_a_lost_node_requeues_the_job_without_it(scenarios)
     assert out["requeued"]["Restarts"] == "1", out["requeued"]
     assert set(expand_hostlist(out["requeued"]["ExcNodeList"])) >= set(lost), out["requeued"]
     assert badnodes.excluded(job.run_dir) == lost, job.describe()
+
+
+def test_a_node_range_starts_on_the_nodes_free_and_keeps_every_global_batch(scenarios, tmp_path):
+    out = scenarios["drained"]
+    job = out["job"]
+    assert job.info["JobState"] == "COMPLETED", job.describe()
+    assert expand_hostlist(out["during"]["NodeList"]) == ["node1", "node3", "node4"], out["during"]
+    [start] = job.rows("start")
+    assert (start["world_size"], start["accumulate"]) == (3, 4), start
+    # The reference: the same run on 4 ranks (3 micro-batches per step), on this machine.
+    write_poison_task(tmp_path)
+    ref = tmp_path / "runs" / "ref"
+    cmd = Launcher(tmp_path).cmd_torchrun(4, *RANGED, f"run.output_root={ref.parent}", "run.name=ref")
+    res = Launcher(tmp_path).run(cmd, env=base_env(OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = global_batches(job.run_dir, 3, 4)
+    assert len(steps) == 512 // 48 and all(len(ids) == 48 for ids in steps), [len(ids) for ids in steps]
+    assert steps == global_batches(ref, 4, 3)
