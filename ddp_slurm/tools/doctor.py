@@ -3,7 +3,8 @@
 Every rank describes where it is (host, ranks, launcher, device, rendezvous address, the network
 interface and address it will use, whether its host name resolves to loopback, visible GPUs), joins
 the process group with a short timeout, checks one all-reduce and times all-reduce latency and
-bandwidth. Rank 0 prints a table (a row per rank) and a verdict. A group that never formed cannot
+bandwidth, then probes for a slow node or link (``tools/probes.py``: compute and ring-neighbour transfers, judged
+against the median of the others). Rank 0 prints a table (a row per rank) and a verdict. A group that never formed cannot
 be gathered, so each rank also diagnoses its own failure and prints a one-line verdict itself.
 Every wait is bounded: a PhaseDeadline ends a rank that is stuck past its deadline, with a verdict.
 
@@ -22,14 +23,17 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from ddp_slurm import argtypes, text
+from ddp_slurm import argtypes, safefs, text
 from ddp_slurm.distributed import group
 from ddp_slurm.distributed.env import BootstrapError, DistEnv, RendezvousError
 from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.exitcodes import EXIT_FAILURE as EXIT_FAIL
 from ddp_slurm.exitcodes import EXIT_OK, exit_now
+from ddp_slurm.slurmjob import badnodes
+from ddp_slurm.tools import probes
 from ddp_slurm.tools.preflight import (
     Failure,
     Report,
@@ -204,6 +208,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "gpus",
         "latency ms",
         "bus GB/s",
+        "compute ms",
     ]
     body = [
         [
@@ -219,6 +224,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             str(r["cuda_count"]) + (f" (uses {r['gpu']})" if r["gpu"] is not None else ""),
             f"{r['latency_ms']:.3f}",
             f"{r['bus_gbps']:.2f}" if r["bus_gbps"] is not None else "-",
+            f"{1e3 * r['compute_s']:.0f}" if r.get("compute_s") is not None else "-",
         ]
         for r in sorted(rows, key=lambda r: r["rank"])
     ]
@@ -281,6 +287,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="timed repeats of the bandwidth test (default 5)",
     )
     parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    parser.add_argument(
+        "--link-mb",
+        type=argtypes.number(0, size_limit, size_why, above=True),
+        default=8.0,
+        metavar="MIB",
+        help="message size of the link probe (each rank to its ring neighbours) in MiB (default 8)",
+    )
+    parser.add_argument(
+        "--slow-factor",
+        type=argtypes.number(1, 1000, "times the median", above=True),
+        default=3.0,
+        metavar="X",
+        help="a node or link more than X times slower than the median of the others is named (default 3)",
+    )
+    parser.add_argument(
+        "--exclude-slow",
+        type=Path,
+        metavar="RUN_DIR",
+        help="record the nodes named slow in RUN_DIR/slow_nodes, which the run's launchers leave out "
+        "with slurm.exclude_slow=true",
+    )
     return parser.parse_args(argv)
 
 
@@ -352,6 +379,22 @@ def _meet_and_measure(args: argparse.Namespace, env: DistEnv, rep: Report, suspe
     return code
 
 
+def _record_slow(run_dir: Any, hosts: list[str]) -> str:
+    """``--exclude-slow RUN_DIR``: the slow hosts into the run's ``slow_nodes`` (the list requeue, the relaunch
+    inside the allocation and submit leave out with ``slurm.exclude_slow=true``)."""
+    if not hosts:
+        return f"doctor: no slow node to record in {run_dir}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        badnodes.record(run_dir, hosts, os.environ.get("SLURM_JOB_ID"), "doctor", "named slow by doctor", slow=True)
+    except (OSError, safefs.UnsafePath) as exc:
+        return f"doctor: FAIL cannot record the slow nodes in {run_dir}: {exc}"
+    return (
+        f"doctor: recorded {', '.join(hosts)} in {run_dir}/slow_nodes: with slurm.exclude_slow=true the run's "
+        "submit, requeue and relaunch leave them out"
+    )
+
+
 def _after_init(
     args: argparse.Namespace, env: DistEnv, rep: Report, device: Any, deadline: PhaseDeadline, say, grace: float
 ) -> int:
@@ -383,12 +426,20 @@ def _after_init(
     with phase("making the host group"):
         groups = Groups.make(device)
     row = {**asdict(rep), **measure(device, env.rank, env.world_size, args.size_mb, args.iters, phase, groups.train)}
+    with phase("waiting for the other ranks before the compute probe"):
+        dist.barrier(group=groups.host)  # every rank computes at the same moment: they share what they share
+    row["compute_s"] = probes.compute_seconds(device, phase)
+    row["links"] = probes.ring_seconds(device, env.rank, env.world_size, args.link_mb, phase, groups.train)
     rows: list[Any] = [None] * env.world_size
     with phase("gathering the reports"):
         dist.all_gather_object(rows, row, group=groups.host)
     verdict = [EXIT_OK]
     if env.rank == 0:
         problems = cross_checks(rows)
+        slow = probes.judge(rows, args.slow_factor, args.link_mb)
+        problems += [(where, Failure("slow", why)) for where, why in slow]
+        if args.exclude_slow is not None:
+            say(_record_slow(args.exclude_slow, [where for where, _ in slow if not where.startswith("link ")]))
         say(f"doctor: {summary(rows, args.size_mb)}\n{table(rows)}")
         if problems:
             say(f"doctor: verdict FAIL ({len(problems)} problem(s)):")

@@ -6,9 +6,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from ddp_slurm.slurmjob import badnodes
 
 pytestmark = pytest.mark.cluster
 
@@ -137,3 +140,68 @@ def test_doctor_wrong_world_size(slurm_cluster, tmp_path):
     lines = verdicts(cp.stdout)
     assert set(lines) == {0, 1}, cp.stdout + cp.stderr
     assert all("mismatched world size" in line and "WORLD_SIZE=3" in line for line in lines.values()), lines
+
+
+def _in_node(cluster, node: str, *command: str) -> None:
+    """Run ``command`` in ``node``'s network namespace (the one its slurmd runs in)."""
+    pid = (cluster.state_dir / "run" / f"slurmd-{node}.pid").read_text().split()[0]
+    subprocess.run(["nsenter", "-t", pid, "--net", "--", *command], check=True, timeout=30)
+
+
+FOUR = "node1,node2,node3,node4"
+SLOW = [PY, "-m", "ddp_slurm.doctor", "--size-mb", "1", "--iters", "2", "--link-mb", "1"]
+
+
+def test_doctor_names_a_node_whose_links_are_limited(slurm_cluster, tmp_path):
+    """node2's veth limited to 40 Mbit/s both ways (``tc ... tbf``: the kernel here has no netem): every link to
+    and from node2 in the ring probe is far below the others' median, so node2 is named, not its links."""
+    shape = ["tc", "qdisc", "add", "dev"], ["root", "tbf", "rate", "40mbit", "burst", "64kb", "latency", "100ms"]
+    subprocess.run([*shape[0], "dsveth2", *shape[1]], check=True, timeout=30)  # to node2
+    try:
+        _in_node(slurm_cluster, "node2", *shape[0], "eth0", *shape[1])  # from node2
+        try:
+            cp = srun(slurm_cluster, tmp_path, FOUR, *SLOW, "--timeout", "30")
+        finally:
+            _in_node(slurm_cluster, "node2", "tc", "qdisc", "del", "dev", "eth0", "root")
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "dsveth2", "root"], check=True, timeout=30)
+    assert cp.returncode == 1, cp.stdout + cp.stderr
+    slow = [line for line in cp.stdout.splitlines() if "doctor: FAIL" in line and ": slow: " in line]
+    assert len(slow) == 1 and "FAIL node2: slow: every link to and from it is slow" in slow[0], cp.stdout
+
+
+def test_doctor_names_a_node_starved_of_cpu_and_records_it(slurm_cluster, tmp_path):
+    """node2's doctor runs in a cgroup with a tenth of one CPU (cgroup v1 ``cpu.cfs_quota_us``): its compute
+    probe is several times slower than the other nodes' median; ``--exclude-slow`` writes it to the run's
+    ``slow_nodes``, the list the launchers read."""
+    group = Path("/sys/fs/cgroup/cpu/ddps-starved")
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text("10000")
+    run = tmp_path / "runs" / "next"
+    starve = f'[ "$SLURMD_NODENAME" = node2 ] && echo $$ > {group}/cgroup.procs; exec "$@"'
+    try:
+        cp = srun(
+            slurm_cluster,
+            tmp_path,
+            FOUR,
+            "sh",
+            "-c",
+            starve,
+            "sh",
+            *SLOW,
+            "--timeout",
+            "120",
+            "--exclude-slow",
+            str(run),
+        )
+    finally:
+        deadline = time.monotonic() + 30
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        group.rmdir()
+    assert cp.returncode == 1, cp.stdout + cp.stderr
+    slow = [line for line in cp.stdout.splitlines() if "doctor: FAIL" in line and ": slow: " in line]
+    assert len(slow) == 1 and re.search(r"FAIL node2: slow: computes \d+\.\dx slower", slow[0]), cp.stdout
+    assert f"recorded node2 in {run}/slow_nodes" in cp.stdout
+    assert badnodes.excluded(run, slow=True) == ["node2"] and badnodes.excluded(run) == []
