@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -144,6 +145,24 @@ def test_a_node_range_is_sbatchs_own_and_recorded_as_two_keys(launcher: Launcher
     assert "#     nodes: 4\n#     min_nodes: 2\n" in res.stderr
 
 
+def test_a_submit_job_keeps_its_allocation_and_runs_submitits_srun_through_the_supervisor(launcher: Launcher) -> None:
+    """``--no-kill`` and ``srun`` defined, after the user's ``--setup`` lines, as a shell function calling the
+    supervisor with the training's arguments; ``slurm.restarts=0`` and a sweep keep submitit's plain srun."""
+    res = launcher.run(SUBMIT + ["--dry-run", "--nodes", "2", "--setup", "module load x", "train.lr=1e-3"], check=True)
+    lines = res.stdout.splitlines()
+    assert "#SBATCH --no-kill" in lines
+    [line] = [x for x in lines if x.startswith("srun() {")]
+    assert (
+        lines.index("module load x") < lines.index(line) < [i for i, x in enumerate(lines) if x.startswith("srun ")][0]
+    )
+    words = shlex.split(line)
+    assert words[3:6] == ["-m", "ddp_slurm.launch.supervise", "--submitit"] and words[7:] == ["--", "$@;", "}"]
+    assert shlex.split(words[6])[:2] == ["train.lr=1e-3", "slurm.nodes=2"]
+    for plain in (["slurm.restarts=0"], ["--sweep", "train.lr=1e-3,1e-2"]):
+        text = launcher.run(SUBMIT + ["--dry-run", "--nodes", "2", *plain], check=True).stdout
+        assert "--no-kill" not in text and "srun() {" not in text, plain
+
+
 def test_resource_flags_are_made_from_the_slurm_sections_fields() -> None:
     """One declaration per key: each slurm.* field is a flag (its docstring the help, its check the check),
     with the spellings users have; requeue (on by default) and requeue_mode (submit jobs never chain) are not, nor
@@ -155,9 +174,9 @@ def test_resource_flags_are_made_from_the_slurm_sections_fields() -> None:
     for name in ("-N", "--nodes", "--tasks-per-node", "--ntasks-per-node", "--signal-delay", "--time", "--exclusive"):
         assert name in spelled, name
     fields = {f.name for f in dataclasses.fields(SlurmConfig)}
-    # keys of the batch script's supervisor and the runtime's slow-node judgement: KEY=VALUE, not submit flags
-    # (submit jobs are not relaunched inside their allocation)
-    own = {"restarts", "spare_nodes", "slow_factor", "slow_windows", "exclude_slow"}
+    # keys of the supervisor and the runtime's slow-node judgement: KEY=VALUE, not submit flags; min_nodes is
+    # the MIN of --nodes MIN-MAX
+    own = {"restarts", "spare_nodes", "slow_factor", "slow_windows", "exclude_slow", "min_nodes"}
     assert {f.dest for f in flags.FLAGS} == fields - {"requeue", "requeue_mode"} - own
     for flag in flags.FLAGS:
         assert spelled[flag.spellings[0]].help == flag.help and flag.help.endswith(f"(slurm.{flag.dest})")

@@ -17,6 +17,8 @@ import io
 import json
 import os
 import re
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,13 +235,26 @@ def executor_parameters(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
         "mem": s.mem,
         "mem_per_gpu": s.mem_per_gpu,
         "exclusive": True if s.exclusive else None,
-        "setup": plan.setup or None,
+        "setup": [*plan.setup, *supervised(plan, extra)] or None,
         "signal_delay_s": s.signal_delay_s,
         "srun_args": SRUN_ARGS,
         "additional_parameters": extra,
     }
     drop = lambda d: {k: v for k, v in d.items() if v is not None}  # noqa: E731
     return drop(generic), drop(specific)
+
+
+def supervised(plan: Plan, extra: dict[str, Any]) -> list[str]:
+    """The job keeps its allocation when a node fails (``--no-kill``), and its ``srun`` line runs through the
+    supervisor (``launch/supervise.py``): a shell function named ``srun``, defined after every ``--setup`` line,
+    so that submitit's own command is what each launch runs. A sweep's tasks and ``slurm.restarts=0`` keep
+    submitit's plain ``srun`` (a lost node requeues the job)."""
+    if plan.sweep or not plan.cfg.slurm.restarts:
+        return []
+    extra["no_kill"] = True
+    train = shlex.quote(shlex.join(plan.runs[0].argv))
+    line = f'srun() {{ {shlex.quote(sys.executable)} -m ddp_slurm.launch.supervise --submitit {train} -- "$@"; }}'
+    return [script_safe("the training's arguments", line, "remove control characters from the overrides")]
 
 
 def sbatch_script(plan: Plan) -> str:

@@ -14,7 +14,9 @@ step ends, asks ``restarts.decide``:
 - anything else ends the job with the step's exit code, as ``srun`` alone would.
 
 ``sbatch/mnist_4node.sh`` runs one srun task per rank; ``sbatch/mnist_torchrun.sh`` (``--torchrun NPROC``) one
-per node, a torchrun agent starting NPROC ranks, its rendezvous on the first node of each launch.
+per node, a torchrun agent starting NPROC ranks, its rendezvous on the first node of each launch. A ``submit``
+job (``--submitit``) runs submitit's own ``srun`` command through it: submit's script defines ``srun`` as a
+shell function that calls this (``launch/plan.py``), and each launch runs the pickled job on the nodes given.
 
 Every decision is one log line. The relaunched run's ``start`` line in metrics.jsonl says which relaunch it is
 (``restart_in_allocation``), and ``report`` shows it. The steps run with ``DDP_SLURM_SUPERVISED`` naming this
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -127,10 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rdzv-port", type=int, default=29400, help="torchrun's rendezvous port (with --torchrun)")
     p.add_argument(
+        "--submitit",
+        metavar="TRAIN_ARGS",
+        help="a submit job: the training's arguments (one shell-quoted string); after -- srun's own arguments and "
+        "command as submitit's script gives them",
+    )
+    p.add_argument(
         "train", nargs=argparse.REMAINDER, help="-- PYTHON -m ddp_slurm.train [--config FILE] [KEY=VALUE ...]"
     )
     args = p.parse_args(argv)
     train = args.train[1:] if args.train[:1] == ["--"] else args.train
+    given = train  # what each launch runs: the training command, or submitit's srun arguments and command
+    if args.submitit is not None:
+        train = [sys.executable, "-m", "ddp_slurm.train", *shlex.split(args.submitit)]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     job = os.environ["SLURM_JOB_ID"]
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
@@ -139,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         run_dir, cfg = _run_dir(train)
     except Exception as exc:  # a config the step will refuse itself, in its own words: run it once, as srun would
         log.info("job %s: not supervising the training step (%s)", job, str(exc).splitlines()[0])
-        step = _command(train, tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"])), args.torchrun, port, job)
+        step = (
+            given
+            if args.submitit is not None
+            else _command(train, tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"])), args.torchrun, port, job)
+        )
         return subprocess.run(["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}", *step]).returncode
     paths = RunPaths(run_dir)
     per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
@@ -174,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             f"--ntasks={len(nodes) * tasks}",
             f"--ntasks-per-node={tasks}",
             f"--nodelist={','.join(nodes)}",
-            *_command(train, nodes, args.torchrun, port + made, f"{job}.{made}"),  # a fresh rendezvous each launch
+            # submitit's logs: the batch script's and rank 0's are one file, kept whole across launches
+            *(["--open-mode=append"] if args.submitit is not None else []),
+            *(
+                given
+                if args.submitit is not None
+                else _command(train, nodes, args.torchrun, port + made, f"{job}.{made}")  # a fresh rendezvous each
+            ),
         ]
         status = subprocess.run(cmd, env=env).returncode
         step = restarts.Step(

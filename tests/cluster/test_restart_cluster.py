@@ -18,7 +18,10 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
 ``torchrun`` sbatch/mnist_torchrun.sh on 3 nodes (one agent each, one rank per agent): node3 set DOWN mid-run;
            the agents are launched again on node1 and node2 with a fresh rendezvous, world size 2, to the end.
 
-``down``, ``drained`` and ``torchrun`` run first, one at a time (a DOWN node ends every job's step on it); ``spare`` and ``capped`` together.
+``submitted`` the same through ``python -m ddp_slurm.submit --nodes 3``: its script defines ``srun`` as the
+           supervisor, so submitit's pickled job is launched again on node1 and node2.
+
+``down``, ``drained``, ``torchrun`` and ``submitted`` run first, one at a time (a DOWN node ends every job's step on it); ``spare`` and ``capped`` together.
 Every rank has one CPU, so runs are bit-for-bit repeatable.
 """
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -124,6 +129,39 @@ def run_torchrun(d: Driver) -> dict[str, Any]:
     return {"job": job, "during": during}
 
 
+class SubmitJob(Job):
+    @property
+    def log(self):  # the batch script's and rank 0's log: one file (submitit)
+        return self.run_dir / "submitit" / self.job_id / f"{self.job_id}_0_log.out"
+
+
+def run_submitted(d: Driver) -> dict[str, Any]:
+    job = SubmitJob("submitted", d.workdir)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_slurm.submit", "--nodes", "3", "--tasks-per-node", "1", "--cpus-per-task", "1"]
+        + ["--sbatch", "exclude=node4", "--config", SAMPLE, f"run.output_root={d.workdir / 'runs'}"]
+        + [f"run.name={job.name}", *TRAIN, "train.epochs=1", "dist.timeout_s=30"],
+        cwd=d.workdir,
+        env={**d.cluster.env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    found = re.search(r"^job: (\S+) ", res.stdout, re.M)
+    assert res.returncode == 0 and found, res.stdout + res.stderr
+    job.job_id = found[1]
+    d.jobs.append(job)
+    d.wait_for(job, "two checkpoints", lambda: len(list((job.run_dir / "checkpoints").glob("step-*.pt"))) >= 2)
+    d.cluster.run(["scontrol", "update", "NodeName=node3", "State=DOWN", "Reason=test"], timeout=30)
+    try:
+        d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
+        during = d.cluster.job_info(job.job_id)
+    finally:
+        d.cluster.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30)
+    d.finish(job)
+    return {"job": job, "during": during}
+
+
 def run_spare(d: Driver) -> dict[str, Any]:
     spare = ("train.epochs=100", "slurm.spare_nodes=1", "dist.timeout_s=30", "slurm.requeue=false")
     job = submit(d, Job("spare", d.workdir), 4, *spare)
@@ -169,6 +207,7 @@ def scenarios(slurm_cluster, tmp_path_factory) -> dict[str, Any]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("restart"))
     try:
         out = {"down": run_down(d), "drained": run_drained(d), "torchrun": run_torchrun(d)}
+        out["submitted"] = run_submitted(d)
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="restart-job") as pool:
             spare, capped = pool.submit(run_spare, d), pool.submit(run_capped, d)
             out |= {"spare": spare.result(), "capped": capped.result()}
@@ -202,6 +241,16 @@ def test_a_node_set_down_the_step_runs_again_on_the_nodes_left_bit_identically(s
 
 def test_under_torchrun_the_agents_are_launched_again_on_the_nodes_left(scenarios):
     out = scenarios["torchrun"]
+    job = out["job"]
+    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
+    assert job.info["JobState"] == "COMPLETED", job.describe()
+    assert starts(job) == [(3, 0), (2, 1)], job.describe()
+    assert "relaunching training inside the allocation on 2 node(s) node1,node2" in job.text(), job.describe()
+    assert job.rows()[-1]["kind"] == "end"
+
+
+def test_a_submit_job_is_launched_again_on_the_nodes_left(scenarios):
+    out = scenarios["submitted"]
     job = out["job"]
     assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
     assert job.info["JobState"] == "COMPLETED", job.describe()
