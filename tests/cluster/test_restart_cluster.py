@@ -1,4 +1,4 @@
-"""Restarting inside the allocation on the real 4-node test cluster (issue 33): the project's sbatch script
+"""Restarting inside the allocation on the real 4-node test cluster (issue 33): the project's sbatch scripts and submit jobs
 keeps its allocation when a node fails (``--no-kill``) and its supervisor (ddp_slurm/launch/supervise.py)
 relaunches the training step on the nodes left, from the newest checkpoint: the same job, Restarts=0.
 
@@ -21,18 +21,25 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
 ``submitted`` the same through ``python -m ddp_slurm.submit --nodes 3``: its script defines ``srun`` as the
            supervisor, so submitit's pickled job is launched again on node1 and node2.
 
-``down``, ``drained``, ``torchrun`` and ``submitted`` run first, one at a time (a DOWN node ends every job's step on it); ``spare`` and ``capped`` together.
+``slowed``  3 nodes x 1 rank: once training runs, rank 1's process is moved into a cgroup with 5% of one CPU
+           (cgroup v1 ``cpu.cfs_quota_us``); within ``slurm.slow_windows=3`` log windows it is named with its
+           host: a warning, a ``slow`` line, ``slow_nodes``. The ``drained`` run beside it (quiet) names nobody.
+
+``down``, ``drained``, ``torchrun`` and ``submitted`` run first, one at a time (a DOWN node ends every job's step on
+it); then ``spare``, ``capped`` and ``slowed`` together.
 Every rank has one CPU, so runs are bit-for-bit repeatable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +50,9 @@ from cluster.test_faults_cluster import (
     Driver,
     Job,
     assert_nothing_left,
+    environ_of,
     kill_mid_training,
+    training_rank,
 )
 from conftest import Launcher, base_env
 from guard_helpers import global_batches, same_weights, write_poison_task
@@ -175,6 +184,28 @@ def run_spare(d: Driver) -> dict[str, Any]:
     return {"job": job, "node": node, "again": again, "during": during}
 
 
+def run_slowed(d: Driver) -> dict[str, Any]:
+    job = submit(d, Job("slowed", d.workdir), 3, "train.epochs=100", "slurm.slow_windows=3", "slurm.requeue=false")
+    d.wait_for(job, "training", lambda: job.rows("train"))
+    pid = d.wait_for(job, "rank 1's process", lambda: training_rank(job.job_id, 1))
+    node = environ_of(pid).get("SLURMD_NODENAME", "?")
+    group = Path("/sys/fs/cgroup/cpu/ddps-slow-rank")
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text("5000")
+    (group / "cgroup.procs").write_text(str(pid))
+    try:
+        d.wait_for(job, "the slow rank named", lambda: job.rows("slow"))
+    finally:
+        with contextlib.suppress(OSError):  # back to full speed, so that it checkpoints and stops in time
+            Path("/sys/fs/cgroup/cpu/cgroup.procs").write_text(str(pid))
+        d.cluster.cancel(job.job_id, "--signal=USR2")
+        d.finish(job)
+        with contextlib.suppress(OSError):
+            group.rmdir()
+    return {"job": job, "node": node}
+
+
 def run_capped(d: Driver) -> dict[str, Any]:
     job = submit(
         d,
@@ -208,9 +239,9 @@ def scenarios(slurm_cluster, tmp_path_factory) -> dict[str, Any]:
     try:
         out = {"down": run_down(d), "drained": run_drained(d), "torchrun": run_torchrun(d)}
         out["submitted"] = run_submitted(d)
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="restart-job") as pool:
-            spare, capped = pool.submit(run_spare, d), pool.submit(run_capped, d)
-            out |= {"spare": spare.result(), "capped": capped.result()}
+        with ThreadPoolExecutor(max_workers=3, thread_name_prefix="restart-job") as pool:
+            spare, capped, slowed = pool.submit(run_spare, d), pool.submit(run_capped, d), pool.submit(run_slowed, d)
+            out |= {"spare": spare.result(), "capped": capped.result(), "slowed": slowed.result()}
         return out
     finally:
         for job in d.jobs:
@@ -257,6 +288,16 @@ def test_a_submit_job_is_launched_again_on_the_nodes_left(scenarios):
     assert starts(job) == [(3, 0), (2, 1)], job.describe()
     assert "relaunching training inside the allocation on 2 node(s) node1,node2" in job.text(), job.describe()
     assert job.rows()[-1]["kind"] == "end"
+
+
+def test_a_slowed_rank_is_named_with_its_host_and_a_quiet_run_names_nobody(scenarios):
+    out = scenarios["slowed"]
+    job, node = out["job"], out["node"]
+    [slow] = job.rows("slow")
+    assert (slow["rank"], slow["host"]) == (1, node) and slow["ratio"] > 2, slow
+    assert f"rank 1 (host {node}) is slow: its compute per step took" in job.text(), job.describe()
+    assert badnodes.excluded(job.run_dir, slow=True) == [node] and badnodes.excluded(job.run_dir) == []
+    assert scenarios["drained"]["job"].rows("slow") == []
 
 
 def test_a_spare_node_takes_the_lost_nodes_place(scenarios, record_property):
