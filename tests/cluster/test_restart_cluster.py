@@ -79,20 +79,24 @@ def submit(d: Driver, job: Job, nodes: int, *train: str, sbatch: tuple[str, ...]
     return d.submit(job, [f"--nodes={nodes}", *ONE_PER_NODE, *sbatch, script, "--config", SAMPLE, *args])
 
 
-def run_down(d: Driver) -> dict[str, Any]:
-    job = submit(d, Job("down", d.workdir), 4, "train.epochs=1", "dist.timeout_s=30")
+def down_mid_run(d: Driver, job: Job, node: str = "node3") -> dict[str, Any]:
+    """Set ``node`` DOWN after the job's second checkpoint, wait for the relaunch, put it back, wait for the end."""
     d.wait_for(job, "two checkpoints", lambda: len(list((job.run_dir / "checkpoints").glob("step-*.pt"))) >= 2)
     lost = time.monotonic()
-    d.cluster.run(["scontrol", "update", "NodeName=node3", "State=DOWN", "Reason=test"], timeout=30)
+    d.cluster.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=test"], timeout=30)
     try:
         d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
         d.wait_for(job, "training again", lambda: job.rows()[-1]["kind"] == "train")
         again = time.monotonic() - lost
         during = d.cluster.job_info(job.job_id)
     finally:
-        d.cluster.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30)
+        d.cluster.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], timeout=30)
     d.finish(job)
     return {"job": job, "again": again, "during": during}
+
+
+def run_down(d: Driver) -> dict[str, Any]:
+    return down_mid_run(d, submit(d, Job("down", d.workdir), 4, "train.epochs=1", "dist.timeout_s=30"))
 
 
 RANGED = [
@@ -127,15 +131,7 @@ def run_torchrun(d: Driver) -> dict[str, Any]:
     d.submit(
         job, ["--nodes=3", "--exclude=node4", *ONE_PER_NODE, script, "--config", SAMPLE, *args, "dist.timeout_s=30"]
     )
-    d.wait_for(job, "two checkpoints", lambda: len(list((job.run_dir / "checkpoints").glob("step-*.pt"))) >= 2)
-    d.cluster.run(["scontrol", "update", "NodeName=node3", "State=DOWN", "Reason=test"], timeout=30)
-    try:
-        d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
-        during = d.cluster.job_info(job.job_id)
-    finally:
-        d.cluster.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30)
-    d.finish(job)
-    return {"job": job, "during": during}
+    return down_mid_run(d, job)
 
 
 class SubmitJob(Job):
@@ -160,15 +156,7 @@ def run_submitted(d: Driver) -> dict[str, Any]:
     assert res.returncode == 0 and found, res.stdout + res.stderr
     job.job_id = found[1]
     d.jobs.append(job)
-    d.wait_for(job, "two checkpoints", lambda: len(list((job.run_dir / "checkpoints").glob("step-*.pt"))) >= 2)
-    d.cluster.run(["scontrol", "update", "NodeName=node3", "State=DOWN", "Reason=test"], timeout=30)
-    try:
-        d.wait_for(job, "the relaunch", lambda: len(job.rows("start")) == 2)
-        during = d.cluster.job_info(job.job_id)
-    finally:
-        d.cluster.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30)
-    d.finish(job)
-    return {"job": job, "during": during}
+    return down_mid_run(d, job)
 
 
 def run_spare(d: Driver) -> dict[str, Any]:
@@ -252,15 +240,22 @@ def starts(job: Job) -> list[tuple[int, int]]:
     return [(r["world_size"], r["restart_in_allocation"]) for r in job.rows("start")]
 
 
+def assert_relaunched(out: dict[str, Any], expected: list[tuple[int, int]], nodes: str) -> None:
+    """The job kept running with Restarts=0 while its step was launched again on ``nodes``, and completed."""
+    job = out["job"]
+    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
+    assert job.info["JobState"] == "COMPLETED", job.describe()
+    assert starts(job) == expected, job.describe()
+    n = len(nodes.split(","))
+    assert f"relaunching training inside the allocation on {n} node(s) {nodes}" in job.text(), job.describe()
+    assert job.rows()[-1]["kind"] == "end"
+
+
 def test_a_node_set_down_the_step_runs_again_on_the_nodes_left_bit_identically(scenarios, tmp_path, record_property):
     out = scenarios["down"]
     job = out["job"]
     record_property("seconds_to_training_again", round(out["again"], 1))
-    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
-    assert job.info["JobState"] == "COMPLETED", job.describe()
-    assert starts(job) == [(4, 0), (3, 1)], job.describe()
-    assert "relaunching training inside the allocation on 3 node(s) node1,node2,node4" in job.text(), job.describe()
-    assert job.rows()[-1]["kind"] == "end"
+    assert_relaunched(out, [(4, 0), (3, 1)], "node1,node2,node4")
     # The same run, resumed by hand at world size 3 from the checkpoint the relaunch took, on this machine.
     resumed_at = job.rows("start")[1]["step"]
     copy = tmp_path / "runs" / "down"
@@ -271,23 +266,11 @@ def test_a_node_set_down_the_step_runs_again_on_the_nodes_left_bit_identically(s
 
 
 def test_under_torchrun_the_agents_are_launched_again_on_the_nodes_left(scenarios):
-    out = scenarios["torchrun"]
-    job = out["job"]
-    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
-    assert job.info["JobState"] == "COMPLETED", job.describe()
-    assert starts(job) == [(3, 0), (2, 1)], job.describe()
-    assert "relaunching training inside the allocation on 2 node(s) node1,node2" in job.text(), job.describe()
-    assert job.rows()[-1]["kind"] == "end"
+    assert_relaunched(scenarios["torchrun"], [(3, 0), (2, 1)], "node1,node2")
 
 
 def test_a_submit_job_is_launched_again_on_the_nodes_left(scenarios):
-    out = scenarios["submitted"]
-    job = out["job"]
-    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
-    assert job.info["JobState"] == "COMPLETED", job.describe()
-    assert starts(job) == [(3, 0), (2, 1)], job.describe()
-    assert "relaunching training inside the allocation on 2 node(s) node1,node2" in job.text(), job.describe()
-    assert job.rows()[-1]["kind"] == "end"
+    assert_relaunched(scenarios["submitted"], [(3, 0), (2, 1)], "node1,node2")
 
 
 def test_a_slowed_rank_is_named_with_its_host_and_a_quiet_run_names_nobody(scenarios):
