@@ -5,7 +5,7 @@
 #   sbatch sbatch/mnist_4node.sh              # from the project directory
 #   sbatch sbatch/mnist_4node.sh train.epochs=2 run.name=try2     # KEY=VALUE config overrides
 #   sbatch --nodes=2 sbatch/mnist_4node.sh    # sbatch options on the command line beat the #SBATCH lines
-#   sbatch --nodes=2-4 sbatch/mnist_4node.sh train.global_batch_size=384 train.micro_batch_size=8  # 2-4 nodes, docs/cluster.md
+#   sbatch --nodes=3-4 sbatch/mnist_4node.sh train.global_batch_size=384 train.micro_batch_size=8  # 3 or 4 nodes, docs/cluster.md
 #   tail -f mnist-4node-<jobid>.out           # the log, in the directory you submitted from
 #
 # Lines starting with "#SBATCH" are options for sbatch, read before the job starts (bash sees

@@ -11,9 +11,11 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
 ``capped`` 3 nodes, ``slurm.restarts=1``, requeue on: rank 1 killed, relaunched inside on 2 nodes; rank 1
            killed again: past the cap the survivor requeues the job without both nodes (Restarts=1).
 
-``drained`` ``sbatch --nodes=2-4`` while node2 is drained: the job starts on 3 nodes, world size 3, and with
+``drained`` ``sbatch --nodes=3-4`` while node2 is drained: the job starts on 3 nodes, world size 3, and with
            ``train.micro_batch_size=4`` chooses 4 micro-batches per step (3 on 4 nodes); the sample ids of every
            optimizer step equal those of a 4-rank reference run (torchrun on this machine), micro-batches of 4.
+           (Slurm 22.05 starts a range on its MIN when MIN nodes are free, even with more idle: ``--nodes=2-4``
+           would start on 2 here.)
 
 ``torchrun`` sbatch/mnist_torchrun.sh on 3 nodes (one agent each, one rank per agent): node3 set DOWN mid-run;
            the agents are launched again on node1 and node2 with a fresh rendezvous, world size 2, to the end.
@@ -21,7 +23,7 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
 ``submitted`` the same through ``python -m ddp_slurm.submit --nodes 3``: its script defines ``srun`` as the
            supervisor, so submitit's pickled job is launched again on node1 and node2.
 
-``slowed``  3 nodes x 1 rank: once training runs, rank 1's process is moved into a cgroup with 5% of one CPU
+``slowed``  3 nodes x 1 rank, the cnn: once training runs, rank 1's process is moved into a cgroup with 5% of one CPU
            (cgroup v1 ``cpu.cfs_quota_us``); within ``slurm.slow_windows=3`` log windows it is named with its
            host: a warning, a ``slow`` line, ``slow_nodes``. The ``drained`` run beside it (quiet) names nobody.
 
@@ -113,9 +115,10 @@ def run_drained(d: Driver) -> dict[str, Any]:
     write_poison_task(d.workdir)
     job = Job("drained", d.workdir)
     args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *RANGED]
+    d.cluster.wait_idle()  # a node still finishing the last job would make Slurm start this one on 2
     d.cluster.run(["scontrol", "update", "NodeName=node2", "State=DRAIN", "Reason=test"], timeout=30)
     try:
-        d.submit(job, ["--nodes=2-4", *ONE_PER_NODE, str(REPO / "sbatch" / "mnist_4node.sh"), *args])
+        d.submit(job, ["--nodes=3-4", *ONE_PER_NODE, str(REPO / "sbatch" / "mnist_4node.sh"), *args])
         d.wait_for(job, "its start", lambda: job.rows("start"))
         during = d.cluster.job_info(job.job_id)
     finally:
@@ -173,7 +176,8 @@ def run_spare(d: Driver) -> dict[str, Any]:
 
 
 def run_slowed(d: Driver) -> dict[str, Any]:
-    job = submit(d, Job("slowed", d.workdir), 3, "train.epochs=100", "slurm.slow_windows=3", "slurm.requeue=false")
+    slowed = ("model.name=cnn", "train.epochs=100", "slurm.slow_windows=3", "slurm.requeue=false")
+    job = submit(d, Job("slowed", d.workdir), 3, *slowed)  # cnn: enough compute per step for the quota to bite
     d.wait_for(job, "training", lambda: job.rows("train"))
     pid = d.wait_for(job, "rank 1's process", lambda: training_rank(job.job_id, 1))
     node = environ_of(pid).get("SLURMD_NODENAME", "?")
