@@ -33,7 +33,6 @@ from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.exitcodes import EXIT_FAILURE as EXIT_FAIL
 from ddp_slurm.exitcodes import EXIT_OK, exit_now
 from ddp_slurm.slurmjob import badnodes
-from ddp_slurm.tools import probes
 from ddp_slurm.tools.preflight import (
     Failure,
     Report,
@@ -401,6 +400,8 @@ def _after_init(
     import contextlib
 
     import torch.distributed as dist
+
+    from ddp_slurm.tools import probes  # torch, through the slow-rank rule: not for --help
 
     @contextlib.contextmanager
     def phase(what: str) -> Iterator[None]:
