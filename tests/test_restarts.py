@@ -3,10 +3,17 @@ values: a relaunch inside the allocation on the nodes left, a launch retried, or
 
 from __future__ import annotations
 
+from ddp_slurm import config
 from ddp_slurm.launch.supervise import _command
-from ddp_slurm.slurmjob.restarts import MAX_LAUNCH_RETRIES, Step, decide, node_count, step_restart
+from ddp_slurm.slurmjob.restarts import MAX_LAUNCH_RETRIES, Step, decide, node_count, splits_over, step_restart
 
 FOUR = ("node1", "node2", "node3", "node4")
+
+
+def splits(batch: int, accumulate: int = 1, ranks_per_node: int = 1):
+    """``fits`` from a config with this global batch and accumulation (the supervisor's own rule)."""
+    cfg = config.load(None, [f"train.global_batch_size={batch}", f"train.accumulate={accumulate}"])
+    return splits_over(cfg, ranks_per_node)
 
 
 def plan(step: Step, restarts: int = 0, retries: int = 0, cap: int = 3, avoid=(), batch: int = 48, accumulate=1):
@@ -16,9 +23,8 @@ def plan(step: Step, restarts: int = 0, retries: int = 0, cap: int = 3, avoid=()
         retries=retries,
         cap=cap,
         avoid=list(avoid),
-        tasks_per_node=1,
+        fits=splits(batch, accumulate),
         global_batch=batch,
-        accumulate=accumulate,
     )
 
 
@@ -59,8 +65,11 @@ def test_a_launch_that_failed_before_training_is_retried_a_few_times() -> None:
 
 
 def test_node_count_and_the_step_restart_variable() -> None:
-    assert [node_count(n, 1, 48, 1) for n in (4, 3, 2, 1, 0)] == [4, 3, 2, 1, 0]
-    assert node_count(3, 4, 64, 1) == 2 and node_count(4, 1, 7, 1) == 1 and node_count(4, 2, 6, 2) == 0
+    assert [node_count(n, splits(48)) for n in (4, 3, 2, 1, 0)] == [4, 3, 2, 1, 0]
+    assert node_count(3, splits(64, 1, 4)) == 2 and node_count(4, splits(7)) == 1
+    assert node_count(4, splits(6, 2, 2)) == 0
+    micro = config.load(None, ["train.global_batch_size=48", "train.micro_batch_size=4"])
+    assert node_count(4, splits_over(micro, 1)) == 4 and node_count(4, splits_over(micro, 5)) == 0
     assert step_restart({}) == 0 and step_restart({"DDP_SLURM_STEP_RESTART": "2"}) == 2
     assert step_restart({"DDP_SLURM_STEP_RESTART": "x"}) == 0
 

@@ -147,15 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     job = os.environ["SLURM_JOB_ID"]
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
     port = args.rdzv_port
+
+    def launch(nodes: tuple[str, ...], made: int) -> list[str]:
+        """What srun runs: submitit's command as given, or the training's (a fresh rendezvous each launch)."""
+        if args.submitit is not None:
+            return given
+        return _command(train, nodes, args.torchrun, port + made, f"{job}.{made}")
+
     try:
         run_dir, cfg = _run_dir(train)
     except Exception as exc:  # a config the step will refuse itself, in its own words: run it once, as srun would
         log.info("job %s: not supervising the training step (%s)", job, str(exc).splitlines()[0])
-        step = (
-            given
-            if args.submitit is not None
-            else _command(train, tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"])), args.torchrun, port, job)
-        )
+        step = launch(tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"])), 0)
         return subprocess.run(["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}", *step]).returncode
     paths = RunPaths(run_dir)
     per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
@@ -192,11 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--nodelist={','.join(nodes)}",
             # submitit's logs: the batch script's and rank 0's are one file, kept whole across launches
             *(["--open-mode=append"] if args.submitit is not None else []),
-            *(
-                given
-                if args.submitit is not None
-                else _command(train, nodes, args.torchrun, port + made, f"{job}.{made}")  # a fresh rendezvous each
-            ),
+            *launch(nodes, made),
         ]
         status = subprocess.run(cmd, env=env).returncode
         step = restarts.Step(
@@ -213,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             retries=tried,
             cap=cfg.slurm.restarts,
             avoid=avoid,
-            tasks_per_node=ranks,
+            fits=restarts.splits_over(cfg, ranks),
             global_batch=cfg.train.global_batch_size,
-            accumulate=cfg.train.micro_batch_size or cfg.train.accumulate,  # what each rank's share must split into
         )
         if plan.action == "exit":
             if plan.why:

@@ -14,13 +14,15 @@ training step through ``launch/supervise.py``, which asks ``decide`` after every
   launch runs without the supervisor's claim, so a loss there requeues the job as before (``chain.py``);
 - any other failure (a bug, a NaN): the job ends with it. Relaunching would fail the same way.
 
-Pure: ``Step`` in, ``Plan`` out, tested with plain values.
+Pure: ``Step`` in, ``Plan`` out, tested with plain values and configs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from ddp_slurm.config import Config, ConfigError, check_world_size
 
 MAX_LAUNCH_RETRIES = 3
 ENDS = {0, 2, 3, 75}  # finished, usage error, requeue cap, stopped on a signal (exitcodes.py)
@@ -56,12 +58,23 @@ class Plan:
     why: str = ""
 
 
-def node_count(available: int, tasks_per_node: int, global_batch: int, accumulate: int) -> int:
-    """The most nodes, at most ``available``, that ``global_batch`` splits over (0: none)."""
-    for n in range(available, 0, -1):
-        if global_batch % (n * tasks_per_node * accumulate) == 0:
-            return n
-    return 0
+def node_count(available: int, fits: Callable[[int], bool]) -> int:
+    """The most nodes, at most ``available``, that ``fits`` (0: none)."""
+    return next((n for n in range(available, 0, -1) if fits(n)), 0)
+
+
+def splits_over(cfg: Config, ranks_per_node: int) -> Callable[[int], bool]:
+    """``fits`` for ``decide``: whether the global batch splits over that many nodes, by the rule training
+    itself refuses a world size with (``config.check_world_size``, ``train.micro_batch_size`` included)."""
+
+    def fits(nodes: int) -> bool:
+        try:
+            check_world_size(cfg, nodes * ranks_per_node)
+        except ConfigError:
+            return False
+        return True
+
+    return fits
 
 
 def decide(
@@ -71,12 +84,12 @@ def decide(
     retries: int,
     cap: int,
     avoid: Sequence[str],
-    tasks_per_node: int,
+    fits: Callable[[int], bool],
     global_batch: int,
-    accumulate: int,
 ) -> Plan:
     """What follows ``step``: ``restarts`` and ``retries`` made so far, ``cap`` (``slurm.restarts``),
-    ``avoid``: every host lost in this job so far."""
+    ``avoid``: every host lost in this job so far, ``fits``: whether the global batch (``global_batch``, for
+    the message) splits over that many nodes (``splits_over``)."""
     if step.status in ENDS:
         return Plan("exit", step.status)
     if not step.started:
@@ -89,7 +102,7 @@ def decide(
     if restarts >= cap:
         return Plan("exit", step.status, why=f"slurm.restarts={cap} used up")
     left = [n for n in step.live or step.nodes if n not in set(avoid) | set(gone)]
-    n = node_count(len(left), tasks_per_node, global_batch, accumulate)
+    n = node_count(len(left), fits)
     if n == 0:
         return Plan(
             "exit",
