@@ -401,9 +401,11 @@ def check_node_range(cfg: Config, tasks_per_node: int) -> None:
         return
     m = cfg.train.micro_batch_size
     for n in counts:
-        if g % (n * tasks_per_node * m):
+        try:
+            check_world_size(cfg, n * tasks_per_node)  # the rule training refuses a world size with
+        except ConfigError:
             raise ConfigError(
                 f"train.global_batch_size={g} does not split into micro-batches of train.micro_batch_size={m} on {n} "
                 f"node(s) x {tasks_per_node} task(s), one of --nodes {lo}-{hi}: make it a multiple of "
                 f"{math.lcm(*counts) * tasks_per_node * m}, or narrow the range"
-            )
+            ) from None
