@@ -46,8 +46,9 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The cluster tests and the rest run side by side (tests/run_suite.py); PYTEST_ARGS go to both.
 test: $(VENV)/.installed-test system-packages lint
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python tests/run_suite.py $(PYTEST_ARGS)
 
 # The environment only: runs/ (every checkpoint and metric trained here) and data/ are never touched.
 clean:
