@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm import safefs
-from ddp_slurm.hostmem import available_memory
+from ddp_slurm.hostmem import available_memory, share
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.slurmjob.badnodes import host_name
 from ddp_slurm.train.checkpoint.dcp_safe import FAILED, unwrap
 from ddp_slurm.train.checkpoint.format import CheckpointError
 from ddp_slurm.train.checkpoint.sharded import commit, file_seal, fresh_partial, write_json
@@ -163,34 +164,40 @@ class ShardedCheckpointer:
 
     def _asynchronous(self, shards: dict[str, Any]) -> bool:
         """``checkpoint.async``, unless host copies of this rank's shards would take more than
-        ``MAX_SHARE_OF_AVAILABLE`` of the host's available memory on some rank (pinned memory cannot be
-        swapped out): then every save of the run is synchronous, one warning says so. Decided at the first
-        save, agreed over the ranks (the two ways are different collectives); the copies made then are
-        reused by every later save."""
+        ``MAX_SHARE_OF_AVAILABLE`` of this rank's share of its host's memory on some rank (``fits``: pinned
+        memory cannot be swapped out, and every rank of a node stages at once): then every save of the run
+        is synchronous, one warning says so. Decided at the first save, agreed over the ranks (the two ways
+        are different collectives); the copies made then are reused by every later save."""
         if not self.enabled or self._stager is not None:
             return self.enabled
+        hosts: list[Any] = [None] * self.world
+        dist.all_gather_object(hosts, host_name(), group=self.group)
+        ranks = hosts.count(host_name())
         need, avail = state_bytes(shards), available_memory()
-        here = avail is None or need <= MAX_SHARE_OF_AVAILABLE * avail
-        fits = torch.tensor([float(here)])
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
-        if not fits.item():
+        here = fits(need, avail, ranks)
+        agreed = torch.tensor([float(here)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        if not agreed.item():
             self.enabled = False
-        if not fits.item() and (self.rank == 0 or not here):  # rank 0 and the ranks that lack the memory
+        if not agreed.item() and (self.rank == 0 or not here):  # rank 0 and the ranks that lack the memory
+            mine = share(avail, None, ranks)
             log.warning(
                 "checkpoint.async: host copies of the shards (%.0f MiB on this rank) would take more than half "
-                "the available memory of a host (this one: %s MiB): saving synchronously",
+                "of a rank's share of its host's available memory (this one: %s MiB, its host's over %d "
+                "rank(s)): saving synchronously",
                 need / 2**20,
-                "?" if avail is None else f"{avail / 2**20:.0f}",
+                "?" if mine is None else f"{mine / 2**20:.0f}",
+                ranks,
             )
         return self.enabled
 
     def _stage(self) -> Any:
-        """One stager for the run: host copies (pinned for GPU tensors) reused from save to save."""
+        """One stager for the run: host copies reused from save to save (``staging_options``)."""
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager
 
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            self._stager = DefaultStager(StagingOptions(cuda, False, False, False))
+            self._stager = DefaultStager(staging_options("cuda" if cuda else "cpu"))
         return self._stager
 
     def _finish(
@@ -258,6 +265,30 @@ class ShardedCheckpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def fits(need: int, available: int | None, ranks_on_node: int) -> bool:
+    """Whether ``need`` bytes of host copies fit ``MAX_SHARE_OF_AVAILABLE`` of one rank's share of what its
+    node may still take (``available``, ``hostmem.available_memory``: MemAvailable or the cgroup's headroom,
+    whichever is smaller), shared by the ``ranks_on_node`` ranks that stage at the same time. Unknown
+    memory fits."""
+    mine = share(available, None, ranks_on_node)
+    return mine is None or need <= MAX_SHARE_OF_AVAILABLE * mine
+
+
+def staging_options(device_type: str) -> Any:
+    """DCP's staging for shards on ``device_type``. On CUDA: every shard's copy queued at once
+    (non-blocking) into pinned host buffers reused from save to save, on the training stream behind the step
+    that made them, and one wait for them all, on the training thread, at the save (a boundary: docs/gpu.md);
+    a blocking copy per tensor would make the host wait once per tensor. Not DCP's background staging: its
+    copies run on a side stream that does not wait for the training stream, while the next steps change
+    the weights in place. On CPU the copies are plain (pinning and non-blocking copies need an accelerator)."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    cuda = device_type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+    )
 
 
 def _reason(exc: BaseException, writer: Any) -> str:
