@@ -68,7 +68,11 @@ def make_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opti
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
     if cfg.schedule == "onecycle":
+        total = max(total_steps, 2)
+        # torch divides by the warm-up's last step index (pct_start * total - 1): a warm-up of exactly one step
+        # (total 4) is a ZeroDivisionError inside OneCycleLR, so that one length warms up over two steps instead
+        pct_start = 0.5 if total * 0.25 == 1 else 0.25
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=cfg.lr, total_steps=max(total_steps, 2), pct_start=0.25, cycle_momentum=False
+            optimizer, max_lr=cfg.lr, total_steps=total, pct_start=pct_start, cycle_momentum=False
         )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
