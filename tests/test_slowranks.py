@@ -11,10 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+import torch
 from conftest import Launcher
 
 from ddp_slurm.slurmjob import badnodes
-from ddp_slurm.train import metrics
+from ddp_slurm.train import clock, metrics
 from ddp_slurm.train.clock import slow_ranks
 
 RUN = [
@@ -31,6 +33,68 @@ def test_the_slow_rank_is_the_one_above_the_others_median() -> None:
     assert slow_ranks([1.0, 1.1, 0.9, 3.0], 1.5) == [3]
     assert slow_ranks([1.0, 1.2, 1.1, 1.3], 1.5) == [] and slow_ranks([1.0], 1.5) == []
     assert slow_ranks([0.0, 0.0], 1.5) == []
+
+
+class FakeDevice:
+    """Stands in for a GPU (there is none here nor in CI): CUDA events that complete only when this device
+    has run up to them (``run_to``) or when the host synchronizes on them, and whose ``elapsed_time`` raises,
+    as CUDA's does, while either event is unfinished. ``held``: events recorded and not yet read."""
+
+    def __init__(self) -> None:
+        self.recorded, self.done, self.read = 0, 0, set()
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at: int | None = None
+
+            def record(self) -> None:
+                device.recorded += 1
+                self.at = device.recorded
+
+            def query(self) -> bool:
+                return self.at is not None and self.at <= device.done
+
+            def synchronize(self) -> None:
+                device.done = max(device.done, self.at or 0)
+
+            def elapsed_time(self, end: Event) -> float:
+                if not (self.query() and end.query()):
+                    raise RuntimeError("CUDA error: device not ready")
+                device.read.update((self.at, end.at))
+                return 2.0  # ms
+
+        self.Event = Event
+
+    def run_to(self, fraction: float) -> None:
+        self.done = max(self.done, int(self.recorded * fraction))
+
+    @property
+    def held(self) -> int:
+        return self.recorded - len(self.read)
+
+
+def test_the_gpu_clock_holds_few_events_and_reads_them_only_once_finished(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long log window on a GPU (1,000 steps, the device a few steps behind the host): the clock holds at
+    most ``LIMIT`` pairs of events, reads none before it finished, and ``take`` (whichever hook ran before
+    it) waits for the last ones itself. At world size 1 there is no clock at all."""
+    fake = FakeDevice()
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    gpu = torch.device("cuda", 0)
+    forward = lambda model, batch: torch.zeros(())  # noqa: E731
+    timer = clock.ComputeClock(gpu)
+    timed = timer.wrap(forward)
+    most = 0
+    for step in range(1000):
+        timed(None, None)
+        fake.run_to(0.99)  # the device trails the host by a step or so
+        most = max(most, fake.held)
+    assert most <= 2 * 64, f"{most} CUDA events held at once"  # clock.LIMIT pairs
+    assert timer.take() == pytest.approx(1000 * 0.002)  # the unfinished last pairs: waited for, not raised on
+    assert fake.held == 0 and timer.take() == 0.0
+    assert clock.for_run(forward, gpu, 1) == (None, forward)  # nothing to compare: nothing added to a step
+    assert fake.recorded == 2000 and isinstance(clock.for_run(forward, gpu, 2)[0], clock.ComputeClock)
 
 
 def rank_pid(name: str, rank: int) -> int | None:

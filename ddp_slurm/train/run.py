@@ -23,7 +23,7 @@ from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train import graphs, loader, step
 from ddp_slurm.train.checkpoint.state import Position
-from ddp_slurm.train.clock import ComputeClock
+from ddp_slurm.train.clock import ComputeClock, for_run
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 from ddp_slurm.train.precision import make_scaler
 from ddp_slurm.train.strategy import Strategy
@@ -56,7 +56,8 @@ class Run:
     scaler: Any = None
     """``train.precision=fp16``: the gradient scaler the step uses (its state is checkpointed); None otherwise."""
     clock: ComputeClock | None = None
-    """This rank's forward time (``clock.py``: slow nodes); None under ``train.cuda_graphs`` (one capture)."""
+    """This rank's forward time (``clock.py``: slow nodes); None under ``train.cuda_graphs`` (one capture) and at
+    world size 1 (no other rank to compare with)."""
 
     @property
     def rank(self) -> int:
@@ -116,8 +117,7 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
     if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
         train_step = graphs.make_step(module, optimizer, scheduler, task.training_step, device, tc.precision)
     else:
-        clock = ComputeClock(device)
-        loss_of = clock.wrap(task.training_step)
+        clock, loss_of = for_run(task.training_step, device, env.world_size)  # none at world size 1
         train_step = step.make_step(
             module,
             optimizer,

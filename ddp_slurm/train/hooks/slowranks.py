@@ -35,7 +35,7 @@ class SlowRanks(Hook):
             self.hosts = [""] * run.world_size
             dist.all_gather_object(self.hosts, badnodes.host_name(), group=run.groups.host)
         if run.clock is not None:
-            run.clock.take()  # from here
+            run.clock.reset()  # from here (after a rollback too: no wait for the device)
 
     def wants_host(self, step: int) -> bool:
         return self.on and step % self.every == 0
