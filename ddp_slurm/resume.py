@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "RUN_DIR/set-aside/<time>-after-step-N/, and the line says so",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    return parser.parse_args(argv)
+    # intermixed: overrides may come after the options too (docs/guard.md's `resume RUN --step N guard.skip=A-B`)
+    return parser.parse_intermixed_args(argv)
 
 
 MAX_LOCAL_RANKS = 1024

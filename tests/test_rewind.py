@@ -83,3 +83,16 @@ def test_what_cannot_be_resumed_moves_nothing(finished: Path, tmp_path: Path) ->
     finished_line = resume(run_dir, "--step", 24)  # the newest already: nothing moves, the run is finished
     assert finished_line.returncode == 0 and "is the newest checkpoint already" in finished_line.stderr
     assert "already finished" in finished_line.stderr and not (run_dir / "set-aside").exists()
+
+
+def test_resume_from_a_step_takes_overrides_after_the_flag(finished: Path, tmp_path: Path) -> None:
+    """docs/guard.md's manual restart, ``ddp-slurm resume RUN_DIR --step N guard.skip=A-B``, as written:
+    overrides after ``--step`` were once refused ("unrecognized arguments")."""
+    run_dir = copy_of(finished, tmp_path)
+    res = resume(run_dir, "--step", 12, "guard.skip=13-14")
+    assert res.returncode == 0, res.stderr
+    assert "step 12" in res.stderr and (run_dir / "set-aside").is_dir()
+    again = checkpoint.load(run_dir / "checkpoints" / "step-24.pt")
+    first = checkpoint.load(next((run_dir / "set-aside").iterdir()) / "step-24.pt")
+    # steps 13-14 skipped: the run ends elsewhere than the one that trained them
+    assert again["finished"] and not all(torch.equal(again["model"][k], v) for k, v in first["model"].items())
