@@ -3,6 +3,7 @@ deleted, and the run continues from step N to the same end as before; what canno
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -83,6 +84,28 @@ def test_what_cannot_be_resumed_moves_nothing(finished: Path, tmp_path: Path) ->
     finished_line = resume(run_dir, "--step", 24)  # the newest already: nothing moves, the run is finished
     assert finished_line.returncode == 0 and "is the newest checkpoint already" in finished_line.stderr
     assert "already finished" in finished_line.stderr and not (run_dir / "set-aside").exists()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "oversized"])
+def test_a_damaged_best_is_refused_before_anything_moves(finished: Path, tmp_path: Path, kind: str) -> None:
+    """A ``best`` that is not a small plain file once gave exit 2 after the newer checkpoints had moved, and a
+    plain resume then restarted silently from the older step: every check comes before the first move."""
+    run_dir = copy_of(finished, tmp_path)
+    before = names(run_dir / "checkpoints")
+    best = run_dir / "best"
+    best.unlink()
+    if kind == "symlink":
+        best.symlink_to(run_dir / "checkpoints" / "step-24.pt")
+    elif kind == "fifo":
+        os.mkfifo(best)
+    elif kind == "directory":
+        best.mkdir()
+    else:
+        best.write_text("step-24.pt\n" + "x" * 4096)
+    res = resume(run_dir, "--step", 8)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "best" in res.stderr and "nothing was set aside" in res.stderr, res.stderr
+    assert names(run_dir / "checkpoints") == before and not (run_dir / "set-aside").exists()
 
 
 def test_resume_from_a_step_takes_overrides_after_the_flag(finished: Path, tmp_path: Path) -> None:

@@ -18,7 +18,14 @@ from ddp_slurm.train.checkpoint import best
 
 
 def set_aside(paths: RunPaths, step: int, newer: list[Path], best_step: int | None) -> str:
-    """Move ``newer`` (checkpoints after ``step``) aside; the line that says what moved where."""
+    """Move ``newer`` (checkpoints after ``step``) aside; the line that says what moved where.
+
+    Every check comes before the first move: a ``best`` that is a link, a FIFO, a folder or too big is
+    refused here (``UnsafePath``, exit 2) with nothing moved, never after the checkpoints went."""
+    try:
+        named = _named_best(paths)
+    except safefs.UnsafePath as exc:
+        raise safefs.UnsafePath(f"{exc}; nothing was set aside") from None
     name = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-after-step-{step}"
     safefs.make_dir(paths.set_aside, paths.shared, parents=False)
     folder = paths.set_aside / name
@@ -30,7 +37,6 @@ def set_aside(paths: RunPaths, step: int, newer: list[Path], best_step: int | No
     for path in newer:
         os.rename(path, folder / path.name)
     moved = [p.name for p in newer]
-    named = _named_best(paths)
     if named is not None and named.name in moved:  # the best is gone with them: the checkpoint's own best stays
         os.rename(paths.best, folder / paths.best.name)
         moved.append(paths.best.name)
