@@ -47,6 +47,35 @@ def test_init_never_overwrites_without_force(tmp_path: Path) -> None:
     assert mine.read_bytes() == (REPO / "jobs" / "mnist.yaml").read_bytes()
 
 
+def test_init_writes_nothing_through_links_planted_in_dir(tmp_path: Path) -> None:
+    """A dangling link once created a file outside DIR; ``--force`` overwrote a linked victim file and made it
+    executable; a linked folder took every file. Now a link is replaced, never followed, and a folder must be
+    a real one."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("hers\n")
+    victim.chmod(0o600)
+    project = tmp_path / "project"
+    (project / "jobs").mkdir(parents=True)
+    (project / "sbatch").mkdir()
+    (project / "jobs" / "mnist.yaml").symlink_to(outside / "created.yaml")  # dangling
+    (project / "sbatch" / "mnist_4node.sh").symlink_to(victim)
+    res = ddp_slurm("init", "project", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--force" in res.stderr, res.stderr
+    assert ddp_slurm("init", "project", "--force", cwd=tmp_path).returncode == 0
+    assert not (outside / "created.yaml").exists() and victim.read_text() == "hers\n"
+    assert not os.access(victim, os.X_OK)
+    for name in ("jobs/mnist.yaml", "sbatch/mnist_4node.sh"):
+        assert not (project / name).is_symlink() and (project / name).read_bytes() == (REPO / name).read_bytes()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "sbatch").symlink_to(outside, target_is_directory=True)
+    res = ddp_slurm("init", "linked", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "symlink" in res.stderr, res.stderr
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"]
+
+
 def test_init_into_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     res = ddp_slurm("init", "f", cwd=tmp_path)

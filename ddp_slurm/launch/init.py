@@ -16,12 +16,12 @@ the task cannot be used: nothing copied.
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
 import sys
 from pathlib import Path
 
 import ddp_slurm
-from ddp_slurm import errors
+from ddp_slurm import errors, safefs
 from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 
 SHIPPED = {"jobs": "*.yaml", "sbatch": "*.sh"}
@@ -87,19 +87,29 @@ def init(dest: Path, force: bool = False, task: str | None = None) -> list[Path]
     copies = plan(dest)
     job = job_yaml(task) if task is not None else None
     targets = [to for _, to in copies] + ([dest / "jobs" / job[0]] if job else [])
-    clash = [to for to in targets if to.exists()]
+    clash = [to for to in targets if os.path.lexists(to)]  # a dangling link is there too
     if clash and not force:
         raise InitError(
             f"{clash[0]} exists (and {len(clash) - 1} more): pass --force to overwrite, or choose another DIR"
         )
+    # Nothing is written through a link planted in DIR: the folders must be real ones (safefs.make_dir), and
+    # each file is written beside its name and renamed onto it, which replaces a link instead of following it.
+    dest.mkdir(parents=True, exist_ok=True)
+    for folder in sorted({to.parent for to in targets}):
+        safefs.make_dir(folder, parents=False)
     for src, to in copies:
-        to.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, to)
-        if to.suffix == ".sh":
-            to.chmod(to.stat().st_mode | 0o111)
+        _write(to, src.read_bytes(), (src.stat().st_mode & 0o777) | (0o111 if to.suffix == ".sh" else 0))
     if job is not None:
-        (dest / "jobs" / job[0]).write_text(job[1])
+        _write(dest / "jobs" / job[0], job[1].encode(), 0o644)
     return targets
+
+
+def _write(to: Path, data: bytes, mode: int) -> None:
+    def fill(f) -> None:
+        f.write(data)
+        os.fchmod(f.fileno(), mode)  # the file just made, never a link's target
+
+    safefs.write_atomic(to, fill)
 
 
 def main(argv: list[str] | None = None) -> int:
