@@ -21,6 +21,7 @@ CPU, >= 0.97 for the cnn at batch 128 on a GPU. ``--cuda-graphs`` runs ddp_slurm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ddp_slurm import argtypes
-from ddp_slurm.bench import common, flags
+from ddp_slurm.bench import common, flags, opcount
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tasks.mnist import MNIST, data, models
 from ddp_slurm.train.task import Tensors
@@ -58,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also ddp_slurm with the guard on (guard.rollbacks=3: its trace and spike statistics), in each pair",
     )
+    ops = p.add_mutually_exclusive_group()
+    ops.add_argument("--no-ops", action="store_true", help="leave out the op count (opcount.py)")
+    ops.add_argument("--ops-only", action="store_true", help="only the op count per step, no timing (deterministic)")
 
 
 def _repeats(steps: int, batch: int) -> int:
@@ -103,8 +107,16 @@ def ddp_slurm_loop(
     return (last["step"] - first["step"]) * args.batch / (last["time_s"] - first["time_s"])
 
 
-def bare_loop(model_name: str, batch: int, steps: int, repeats: int, device: torch.device) -> float:
-    """samples/s of a plain PyTorch loop on the same data, model, optimizer, schedule and batch."""
+def bare_loop(
+    model_name: str,
+    batch: int,
+    steps: int,
+    repeats: int,
+    device: torch.device,
+    measured: contextlib.AbstractContextManager | None = None,
+) -> float:
+    """samples/s of a plain PyTorch loop on the same data, model, optimizer, schedule and batch;
+    ``measured``: a context around the measured steps only (``opcount.OpCounter``)."""
     train = data.load_sample(train=True)
     images = train.images.repeat(repeats, 1, 1).to(device)
     labels = train.labels.repeat(repeats).to(device)
@@ -129,11 +141,17 @@ def bare_loop(model_name: str, batch: int, steps: int, repeats: int, device: tor
 
     train_steps(0, LOG_EVERY).item()  # warm-up, as the ddp_slurm rate leaves its first window out
     start = time.perf_counter()
-    train_steps(LOG_EVERY, steps).item()
+    with measured or contextlib.nullcontext():
+        loss = train_steps(LOG_EVERY, steps)
+    loss.item()
     return steps * batch / (time.perf_counter() - start)
 
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    if args.ops_only:  # counted on CPU whatever --device says: no device is touched
+        return common.header(
+            "overhead", "cpu", threads, model=args.model, batch=args.batch, guard=args.guard, ops_only=True
+        ) | {"ops_per_step": opcount.measure(args.model, args.batch, args.guard)}
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the runtime would take a GPU it sees; CUDA is not initialised yet
     device = common.resolve_device(args.device)
@@ -184,11 +202,16 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
             "ratio": common.summary(ratios)["median"],
         }
     )
+    if not args.no_ops:
+        payload["ops_per_step"] = opcount.measure(args.model, args.batch, args.guard)
     return payload
 
 
 def render(p: dict[str, Any]) -> str:
     q = p["params"]
+    ops = render_ops(p["ops_per_step"], q) if "ops_per_step" in p else ""
+    if q.get("ops_only"):
+        return ops
     ours = "ddp_slurm (train.cuda_graphs)" if q["cuda_graphs"] else "ddp_slurm"
     title = (
         f"bench overhead: {q['model']}, batch {q['batch']}, {p['device']}, {p['threads']} thread(s); "
@@ -211,4 +234,23 @@ def render(p: dict[str, Any]) -> str:
         "rate from its own metrics rows after the first; bare: the same model, data, Adam and schedule by hand",
         f"load average {p['machine']['load_average_1m']}",
     ]
-    return common.table(title, ["loop", "samples/s", "min-max", "spread"], rows, notes)
+    timing = common.table(title, ["loop", "samples/s", "min-max", "spread"], rows, notes)
+    return timing + ("\n\n" + ops if ops else "")
+
+
+def render_ops(c: dict[str, Any], q: dict[str, Any]) -> str:
+    """The op-count table: what one optimizer step dispatches, the bare loop's and the runtime's."""
+    title = (
+        f"ops per optimizer step: {q['model']}, batch {q['batch']}, counted on CPU over {c['steps']} steps "
+        "(the log lines in them amortised)"
+    )
+    w1, bare = c["world_1"], c["bare"]
+    notes = [
+        f"world 1 adds {w1['launches'] - bare['launches']:g} launches per step to the bare loop's {bare['launches']:g} "
+        "(kernels + collectives + host reads; views launch nothing)",
+        "extra by source: kernels, collectives and host reads per step outside the step and its batch ('step': the "
+        "model, loss, backward, optimizer and schedule, as in the bare loop)",
+        "on a GPU the clock also records 2 CUDA events per step where slow ranks are timed (not aten ops)",
+    ]
+    headers = ["loop", "kernels", "collectives", "host reads", "views", "extra by source"]
+    return common.table(title, headers, opcount.render_rows(c), notes)

@@ -56,27 +56,37 @@ class StopVote:
         self.bad_step = 0  # and at which step
         self.losses: deque[tuple[int, float]] = deque(maxlen=4)  # (step, mean loss over the ranks), as agreed
         self.failed = False
+        # One rank (on CPU or CUDA): nothing to agree on, so no flags in device memory, no collective, no side
+        # stream; only the loss travels to the host (``_Solo``: one copy per step). Other devices ("meta"
+        # stands in for one in the tests) take the multi-rank device path.
+        self._solo = _Solo(device) if world_size == 1 and device.type in ("cpu", "cuda") else None
+        solo = self._solo is not None
         self._buffers = (torch.zeros(FLAGS, device=device), torch.zeros(FLAGS, device=device))  # posted, being reduced
-        self._staged = _Staged(device) if device.type != "cpu" else None
-        self._cuda = _HostCopies(device) if device.type == "cuda" else None
+        self._staged = _Staged(device) if device.type != "cpu" and not solo else None
+        self._cuda = _HostCopies(device) if device.type == "cuda" and not solo else None
         self._pending: tuple[int, Any, torch.Tensor | None, int] | None = None  # slot, work, loss, step
-        self._local: list[tuple[float, ...]] = [(0.0,) * FLAGS, (0.0,) * FLAGS]  # one CPU rank: the flags as posted
+        self._local: list[tuple[float, ...]] = [(0.0,) * FLAGS, (0.0,) * FLAGS]  # one rank: the host flags as posted
 
     def exchange(self, loss: torch.Tensor | None, step: int, wait: bool = False) -> tuple[bool, bool, bool]:
         """Post this rank's flags after ``step``; return the agreed (requeue, terminate, non-finite)
         of the step before (all False the first time), or with ``wait`` of this step too."""
         previous = self._pending
         slot = 1 if previous is not None and previous[0] == 0 else 0
-        flags = self._buffers[slot]
         requeue, terminate = float(self.stop.requeue_requested), float(self.stop.terminate_requested)
         failed = float(self._failed is not None and self._failed())
+        if self._solo is not None and self._staged is None:  # one rank: the flags stay Python numbers
+            self._local[slot] = (requeue, terminate, 0.0, failed, 0.0)
+            self._solo.post(slot, loss)
+            self._pending = (slot, None, loss, step)
+            agreed = self._collect(previous)
+            if wait:
+                agreed = tuple(a or b for a, b in zip(agreed, self.settle()))
+            return agreed  # type: ignore[return-value]
+        flags = self._buffers[slot]
         if self._staged is None:  # CPU: the loss is readable at once, and one copy beats five element writes
             value = 0.0 if loss is None else loss.item()
             bad = float(not math.isfinite(value))
-            if self.world_size == 1:  # nothing to agree on: the flags stay Python numbers (no tensor per step)
-                self._local[slot] = (requeue, terminate, bad, failed, value)
-            else:
-                flags.copy_(torch.tensor((requeue, terminate, bad, failed, value)))
+            flags.copy_(torch.tensor((requeue, terminate, bad, failed, value)))
         else:  # a device buffer: a Python number written into it is a synchronising copy (see _Staged)
             self._staged.post(slot, flags, (requeue, terminate, 0.0, failed, 0.0))
             if loss is not None:
@@ -107,8 +117,10 @@ class StopVote:
         slot, work, loss, step = pending
         if self._cuda is not None:
             values = self._cuda.read(slot)
-        elif self._staged is None and self.world_size == 1:
-            values = self._local[slot]
+        elif self._solo is not None and self._staged is None:
+            value = 0.0 if loss is None else self._solo.read(slot)
+            requeue, terminate, _, failed, _ = self._local[slot]
+            values = (requeue, terminate, float(not math.isfinite(value)), failed, value)
         else:
             if work is not None:
                 work.wait()
@@ -142,6 +154,41 @@ def _failed_value(loss: torch.Tensor | None) -> float:
         return loss.item()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
+
+
+class _Solo:
+    """One rank's loss on its way to the host: the one copy per step a single rank needs (the flags
+    are Python numbers; the non-finite check is made on the host once the value is there).
+
+    On CUDA the copy goes into pinned memory without blocking, on the training stream, and an event
+    marks its landing; ``read``, a step later, waits on that event, which the device passed long before.
+    A slot's memory is written again two posts later, after ``read`` of that slot: no race. On CPU it
+    is a plain copy: the same one op per step a GPU launches (``bench overhead`` counts it there).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host: list[torch.Tensor | None] = [None, None]  # made at the first post, in the loss's dtype
+        self.done = tuple(torch.cuda.Event() for _ in range(2)) if self.cuda else None
+
+    def post(self, slot: int, loss: torch.Tensor | None) -> None:
+        if loss is None:  # a skipped step (guard): nothing to copy
+            return
+        loss = loss.detach() if loss.requires_grad else loss  # the step's is already: no op
+        loss = loss if loss.dim() == 0 else loss.reshape(())
+        buffer = self.host[slot]
+        if buffer is None or buffer.dtype != loss.dtype:
+            buffer = self.host[slot] = torch.empty((), dtype=loss.dtype, pin_memory=self.cuda)
+        buffer.copy_(loss, non_blocking=self.cuda)
+        if self.done is not None:
+            self.done[slot].record()
+
+    def read(self, slot: int) -> float:
+        if self.done is not None:
+            self.done[slot].synchronize()  # a step after the post: long passed, unless the host is far ahead
+        buffer = self.host[slot]
+        assert buffer is not None
+        return float(buffer.tolist())  # host memory: no device op
 
 
 class _Staged:

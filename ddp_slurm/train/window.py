@@ -21,25 +21,33 @@ log = logging.getLogger("ddp_slurm")
 class LossWindow:
     """The training loss averaged over the steps between two log lines, and the rate over them.
 
-    The loss stays on the device while it accumulates: reading it is the one host sync per window.
+    The loss stays on the device while it accumulates: reading it is the one host sync per window. The
+    steps' losses are kept as they come (each step returns a tensor of its own: ``step.py`` detaches
+    the task's loss, ``graphs.py`` clones its static output) and summed when the window closes, so a
+    step adds no kernel (a running ``sum += loss`` was one launch per step: ``bench overhead`` counts them).
     """
+
+    FOLD = 1024  # losses kept before they are summed into one (a long window holds no more than this)
 
     def __init__(self, device: torch.device, world_size: int, global_batch: int, step: int, group: Any) -> None:
         """``group``: the training group (the loss stays on the training device)."""
-        self.sum, self.n, self.world_size, self.global_batch = (
-            torch.zeros((), device=device),
-            0,
-            world_size,
-            global_batch,
-        )
+        self.device, self.n, self.world_size, self.global_batch = device, 0, world_size, global_batch
+        self.losses: list[torch.Tensor] = []
         self.group = group
         self.started, self.first_step = time.monotonic(), step
         self.loss: float | None = None
         self.rate: float | None = None
 
     def add(self, loss: torch.Tensor) -> None:
-        self.sum += loss
+        self.losses.append(loss)
         self.n += 1
+        if len(self.losses) >= self.FOLD:
+            self.losses = [self._sum()]
+
+    def _sum(self) -> torch.Tensor:
+        if not self.losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([t if t.dim() == 0 else t.reshape(()) for t in self.losses]).float().sum()
 
     def close(self, step: int) -> dict[str, float]:
         """The window's figures for metrics.jsonl: loss (mean over steps and ranks), samples/s, mean step
@@ -47,7 +55,7 @@ class LossWindow:
         window."""
         now = time.monotonic()
         steps = max(step - self.first_step, 1)
-        mean = self.sum / max(self.n, 1)
+        mean = self._sum() / max(self.n, 1)
         own = (now - self.started) / steps
         if self.world_size > 1:
             dist.all_reduce(mean, group=self.group)
@@ -60,7 +68,7 @@ class LossWindow:
         else:
             loss, slowest, fastest = mean.item(), own, own  # the one sync
         self.loss, self.rate = loss, steps * self.global_batch / (now - self.started)
-        self.sum.zero_()
+        self.losses = []
         self.n, self.started, self.first_step = 0, now, step
         return {
             "loss": self.loss,
