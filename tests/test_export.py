@@ -101,3 +101,54 @@ def test_load_model_refuses_what_is_no_export_of_yours(run_dir: Path, tmp_path: 
     os.chmod(out / "config.yaml", 0o666)  # it names the code load_model imports: anyone could have changed it
     with pytest.raises(UnsafePath, match="writable by every user"):
         ddp_slurm.load_model(out)
+
+
+def test_a_planted_temporary_folder_is_never_adopted(run_dir: Path, tmp_path: Path) -> None:
+    """``.OUT.partial-<pid>`` (mode 777, made by someone else in a shared parent) was once adopted, so OUT ended up
+    hers: the temporary is now made exclusively under a name nobody can guess."""
+    from ddp_slurm.tools import export as tool
+
+    out = tmp_path / "shared" / "model"
+    out.parent.mkdir()
+    planted = out.parent / f".{out.name}.partial-{os.getpid()}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    assert tool.main([str(run_dir), str(out)]) == 0
+    assert sorted(p.name for p in planted.iterdir()) == [] and out.is_dir() and (out / "model.pt").is_file()
+    assert (out.stat().st_mode & 0o777) == 0o750
+
+
+def test_a_checkpoint_pruned_while_exporting_is_chosen_again(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that is training prunes its older checkpoints (checkpoint.keep): the newest listed can vanish before
+    it is read. That once said "cannot write OUT" (5 of 8 exports with keep=1); the newest is chosen again, and a
+    step asked for by number that vanished is said to be pruned. The race is replayed in-process: the listing
+    returns, then the checkpoint is removed as the run's pruning would remove it."""
+    import shutil as sh
+
+    from ddp_slurm.tools import export as tool
+    from ddp_slurm.train.checkpoint import gate
+
+    copy = tmp_path / "runs" / "line"
+    sh.copytree(run_dir, copy, symlinks=True)
+    listed = gate.Gate.candidates
+    pruned: list[str] = []
+
+    def prune_after_listing(self: gate.Gate) -> list:
+        found = listed(self)
+        if not pruned:
+            pruned.append("step-24.pt")
+            (copy / "checkpoints" / "step-24.pt").unlink()
+        return found
+
+    monkeypatch.setattr(gate.Gate, "candidates", prune_after_listing)
+    assert tool.main([str(copy), str(tmp_path / "newest")]) == 0
+    about = json.loads((tmp_path / "newest" / "export.json").read_text())
+    assert about["checkpoint"] == "step-20.pt"
+    sh.copy2(run_dir / "checkpoints" / "step-24.pt", copy / "checkpoints" / "step-24.pt")
+    pruned.clear()
+    assert tool.main([str(copy), "--step", "24", str(tmp_path / "named")]) == 1
+    err = capsys.readouterr().err
+    assert "step-24.pt was removed while it was being exported" in err and "cannot write" not in err, err
+    assert not (tmp_path / "named").exists() and not list(tmp_path.glob(".named.partial-*"))

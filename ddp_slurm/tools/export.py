@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,10 @@ def write(out: Path, backend: Any, path: Path, record: dict[str, Any], run_dir: 
     import torch
     import yaml
 
-    whole = backend.load_whole(path, record)
+    try:
+        whole = backend.load_whole(path, record)
+    except FileNotFoundError:  # a run that is training pruned it after it was chosen
+        raise CheckpointGone(path) from None
     model = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in whole["model"].items()}
     about = {
         "run_dir": str(run_dir.resolve()),
@@ -114,9 +118,10 @@ def write(out: Path, backend: Any, path: Path, record: dict[str, Any], run_dir: 
         "strategy": backend.name,
         "evaluation": _evaluation(run_dir, whole["step"]),
     }
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    safefs.make_dir(tmp, parents=False)
+    # made here, exclusively, under a name nobody can guess: a folder someone planted is never adopted
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    os.chmod(tmp, safefs.DIR_MODE)  # mkdtemp's 0o700 -> the run's folder mode, as make_dir gives
     try:
         safefs.write_atomic(tmp / MODEL, lambda f: torch.save(model, f))
         text = yaml.safe_dump(whole["config"], sort_keys=False)
@@ -128,6 +133,36 @@ def write(out: Path, backend: Any, path: Path, record: dict[str, Any], run_dir: 
         raise
     safefs.fsync_dir(out.parent)
     return about
+
+
+class CheckpointGone(errors.Error):
+    """The chosen checkpoint vanished before it was read: the run is training and pruned it (exit 1)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(
+            f"{path} was removed while it was being exported (the run is training and pruned it, "
+            "checkpoint.keep): export again, or choose a step that is kept"
+        )
+        self.path = path
+
+
+PRUNED_RETRIES = 3
+"""The newest checkpoint of a run that is training can be pruned between the choice and the read: choose again."""
+
+
+def _export(run_dir: Path, out: Path, best: bool, step: int | None) -> tuple[dict[str, Any], Path]:
+    tries = 1
+    while True:
+        try:
+            try:
+                backend, path, record = choose(run_dir, best, step)
+            except FileNotFoundError as exc:  # listed, then pruned before it was read
+                raise CheckpointGone(Path(exc.filename or run_dir)) from None
+            return write(out, backend, path, record, run_dir), path
+        except CheckpointGone:
+            if best or step is not None or tries == PRUNED_RETRIES:  # what was asked for is gone
+                raise
+            tries += 1
 
 
 def _evaluation(run_dir: Path, step: int) -> dict[str, Any] | None:
@@ -173,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.path.lexists(out):
             raise errors.UsageError(f"{out} exists: give a new folder (an export never overwrites)")
-        backend, path, record = choose(Path(args.run_dir), args.best, args.step)
-        about = write(out, backend, path, record, Path(args.run_dir))
+        about, path = _export(Path(args.run_dir), out, args.best, args.step)
     except errors.Error as exc:  # a usage problem (2), or no checkpoint that can be read (1)
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return exc.exit_code
