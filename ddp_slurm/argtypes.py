@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -23,11 +22,11 @@ from typing import NoReturn
 
 from ddp_slurm import hostmem, safefs
 from ddp_slurm.exitcodes import EXIT_USAGE
+from ddp_slurm.text import CONTROL, shown
 
 MAX_TIMEOUT_S = 1e7  # as dist.timeout_s: beyond it, timers and timedeltas overflow
 MAX_LIST = 1000  # values in one comma-separated list flag
 MEMORY_SHARE = 0.5  # of the host's available memory that one tool may plan to hold
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,7 +34,7 @@ class OneLineParser(argparse.ArgumentParser):
     characters of what was typed shown escaped, so a newline in a value cannot split the line."""
 
     def error(self, message: str) -> NoReturn:
-        message = _CONTROL.sub(lambda m: repr(m.group())[1:-1], message)
+        message = shown(message)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
@@ -109,7 +108,7 @@ def memory_mib(share: float = MEMORY_SHARE) -> tuple[float, str]:
 
 def plain_text(text: str) -> str:
     """``text`` unchanged unless it holds control characters (a path or name that would split a line)."""
-    if _CONTROL.search(text):
+    if CONTROL.search(text):
         raise argparse.ArgumentTypeError(f"expected text without control characters, got {text!r}")
     return text
 

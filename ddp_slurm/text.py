@@ -6,6 +6,16 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Sequence
 
+# Control characters (C0, DEL, C1): they split a line, move the cursor or recolour a terminal.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """``text`` safe to print: each control character as its escape (``\\n``, ``\\x1b``), so what a file
+    holds can neither forge a line of ours nor drive the terminal."""
+    return CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 # reST in docstrings: ``literal``, :role:`target` and :role:`~pkg.mod.Name` (shown as Name).
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")

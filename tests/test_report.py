@@ -167,6 +167,26 @@ def test_report_shows_metrics_as_the_task_declared_them(tmp_path: Path) -> None:
     assert "final 97.50% " in report.summary(history.read_history(run_dir))
 
 
+def test_control_characters_in_a_metrics_file_are_shown_escaped(tmp_path: Path) -> None:
+    """Metric names and reasons from metrics.jsonl once reached the terminal raw (an escape sequence recoloured
+    it, a newline forged a line of the report): every string the report shows has its controls escaped."""
+    run_dir = tmp_path / "ctl"
+    run_dir.mkdir()
+    evil = "acc\x1b[31m\nrun forged: finished at step 999\x07"
+    rows = [
+        {"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0, "best_metric": evil, "higher_is_better": True},
+        {"kind": "eval", "step": 10, "epoch": 0, "time_s": 1.0, evil: 0.5, "loss\r": 0.25, "test_samples": 100},
+        {"kind": "early_stop", "step": 10, "epoch": 0, "time_s": 1.0, "reason": "patience\x1b]0;title\x07"},
+        {"kind": "end", "step": 10, "epoch": 0, "time_s": 1.0},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = report(run_dir, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert not [c for c in res.stdout if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F)], repr(res.stdout)
+    assert "\\x1b[31m" in res.stdout and "\\x07" in res.stdout, res.stdout
+    assert not any(line.startswith("run forged") for line in res.stdout.splitlines())
+
+
 def test_report_of_a_stopped_run_names_the_command_that_resumes_it(tmp_path: Path) -> None:
     from ddp_slurm.tools import history, report
 

@@ -25,8 +25,8 @@ from ddp_slurm import taskref
 from ddp_slurm.config.files import _show, damaged, parse_override, parse_yaml_file, read_saved
 from ddp_slurm.config.schema import RUNTIME_SECTIONS, Config, ConfigError, _field_types, _fields, _keys, _type_hints
 from ddp_slurm.config.unchecked import Given, Unchecked
+from ddp_slurm.text import CONTROL
 
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # never in a config string: they reach job scripts
 _INT_LIMIT = 1 << 62  # larger integers overflow the int64s they end up in (torch, timedelta, Slurm)
 _SCALARS = (str, int, float, bool, type(None))
 NODE_RANGE = re.compile(r"\s*(\d{1,6})\s*-\s*(\d{1,6})\s*")  # slurm.nodes=2-4: min_nodes 2, nodes 4

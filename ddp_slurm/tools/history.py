@@ -20,6 +20,7 @@ from typing import Any
 
 from ddp_slurm import config, errors, safefs
 from ddp_slurm.runpaths import RunPaths
+from ddp_slurm.text import CONTROL, shown
 from ddp_slurm.tools import tracked
 from ddp_slurm.tools.rollbacks import Rollback, collect
 
@@ -187,6 +188,8 @@ def _rows(path: Path) -> Iterator[dict[str, Any]]:
             row = json.loads(line)
         except (json.JSONDecodeError, RecursionError):
             continue  # a half-written line (a run still going, or killed)
+        if "\\" in line or CONTROL.search(line):  # an escape in JSON: maybe a control character in a string
+            row = _shown(row)
         where = f"{path} line {number}"
         if not isinstance(row, dict):
             raise ReportError(
@@ -203,3 +206,15 @@ def _rows(path: Path) -> Iterator[dict[str, Any]]:
                 )
         _check_guard(row, where)
         yield row
+
+
+def _shown(value: Any) -> Any:
+    """Every string of a row, keys included, safe to print (``text.shown``): what the summary, the figures and
+    the guard's lines show of a metrics file can never drive the terminal or forge a line."""
+    if isinstance(value, str):
+        return shown(value)
+    if isinstance(value, dict):
+        return {_shown(k): _shown(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shown(v) for v in value]
+    return value
