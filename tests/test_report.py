@@ -187,6 +187,29 @@ def test_control_characters_in_a_metrics_file_are_shown_escaped(tmp_path: Path) 
     assert not any(line.startswith("run forged") for line in res.stdout.splitlines())
 
 
+def test_a_task_with_many_metrics_is_drawn_in_bounded_panels(tmp_path: Path) -> None:
+    """300 metrics on one eval line once took 140 s and 776 MB (a panel each): the figure draws the first
+    ``MAX_METRIC_PANELS`` (the tracked one first), and the summary says how many it left out."""
+    from ddp_slurm.tools import figures, history, report
+
+    run_dir = tmp_path / "many"
+    run_dir.mkdir()
+    names = [f"m{i:03d}" for i in range(40)]
+    rows = [
+        {"kind": "start", "step": 0, "epoch": 0, "time_s": 0.0, "best_metric": "m039", "higher_is_better": True},
+        {"kind": "train", "step": 5, "epoch": 0, "time_s": 0.5, "loss": 1.0, "samples_per_s": 10.0},
+        {"kind": "eval", "step": 10, "epoch": 0, "time_s": 1.0, **{n: 0.5 for n in names}, "test_samples": 100},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = history.read_history(run_dir)
+    fig = figures.build_run(run, "many")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title().startswith("test m")]
+    assert len(titles) == figures.MAX_METRIC_PANELS and titles[0] == "test m039", titles
+    text = report.summary(run)
+    assert f"the first {figures.MAX_METRIC_PANELS} of 40 eval metrics" in text, text
+    assert f"and {39 - report.MAX_LISTED} more" in text, text
+
+
 def test_report_of_a_stopped_run_names_the_command_that_resumes_it(tmp_path: Path) -> None:
     from ddp_slurm.tools import history, report
 

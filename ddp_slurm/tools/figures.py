@@ -60,13 +60,23 @@ def overlay_epoch_boundaries(runs: list[RunHistory], by_samples: bool) -> list[f
     return sorted({run.samples(step) if by_samples else step for run in runs for step in epoch_boundaries(run)})
 
 
-def metric_panels(runs: list[RunHistory]) -> list[str]:
-    """One panel per eval metric of the runs (the first run's tracked metric first); the test loss is
-    drawn with the training loss instead."""
+MAX_METRIC_PANELS = 8
+"""Eval metrics drawn, each a panel: a task logging hundreds once cost minutes and gigabytes of figure; the rest
+stay in metrics.jsonl, and the summary says how many were left out."""
+
+
+def all_metric_panels(runs: list[RunHistory]) -> list[str]:
+    """Every eval metric of the runs (the first run's tracked metric first), but the test loss, which is
+    drawn with the training loss."""
     names: dict[str, None] = {}
     for run in runs:
         names.update({n: None for n in eval_metrics(run) if n != "loss"})
     return list(names)
+
+
+def metric_panels(runs: list[RunHistory]) -> list[str]:
+    """The eval metrics that get a panel: the first ``MAX_METRIC_PANELS`` of ``all_metric_panels``."""
+    return all_metric_panels(runs)[:MAX_METRIC_PANELS]
 
 
 def robust_top(values: list[float]) -> tuple[float, int] | None:

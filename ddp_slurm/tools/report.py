@@ -34,6 +34,10 @@ from ddp_slurm.tools.history import ReportError, RunHistory, eval_metrics, read_
 __all__ = ["ReportError", "RunHistory", "default_output", "eval_metrics", "expand", "main", "read_history", "summary"]
 
 
+MAX_LISTED = 12
+"""Eval metrics whose final value the summary lists; the count of the others follows."""
+
+
 def summary(run: RunHistory) -> str:
     """The text summary: status, the tracked metric (final and best, in its direction) and the other
     eval metrics' final values, time, restarts, the guard's rollbacks (one line each), mean throughput."""
@@ -59,8 +63,16 @@ def summary(run: RunHistory) -> str:
         lines.append(f"test {name}: no evaluation yet")
     others = [n for n in eval_metrics(run) if n != name]
     if others and run.evals:
-        shown = ", ".join(f"{n} {tracked.show(n, run.evals[-1].get(n), run.metric.percent)}" for n in others)
-        lines.append(f"final test {shown} (step {run.evals[-1]['step']})")
+        listed = others[:MAX_LISTED]
+        shown = ", ".join(f"{n} {tracked.show(n, run.evals[-1].get(n), run.metric.percent)}" for n in listed)
+        more = f" and {len(others) - len(listed)} more" if len(others) > len(listed) else ""
+        lines.append(f"final test {shown}{more} (step {run.evals[-1]['step']})")
+    drawn = figures.all_metric_panels([run])
+    if len(drawn) > figures.MAX_METRIC_PANELS:
+        lines.append(
+            f"plots: the first {figures.MAX_METRIC_PANELS} of {len(drawn)} eval metrics (every value is in "
+            f"{RunPaths(run.run_dir).metrics.name})"
+        )
     launches = len(run.starts)
     requeues = max((r.get("restart_count", 0) for r in run.starts), default=0)
     inside = sum(1 for r in run.starts if r.get("restart_in_allocation"))  # the batch script's relaunches
