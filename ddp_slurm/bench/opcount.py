@@ -122,10 +122,11 @@ class OpCounter(TorchDispatchMode):
             kinds[kind] += n
             if kind != "views":
                 sources[source] += n
-        out: dict[str, Any] = {k: kinds[k] / steps for k in ("kernels", "views", "collectives", "host_reads")}
-        out["ops"] = sum(kinds.values()) / steps
-        out["launches"] = (kinds["kernels"] + kinds["collectives"] + kinds["host_reads"]) / steps
-        out["by_source"] = {s: n / steps for s, n in sorted(sources.items(), key=lambda kv: -kv[1])}
+        per = lambda n: round(n / steps, 4)  # noqa: E731  (exact counts: no float noise in the figures)
+        out: dict[str, Any] = {k: per(kinds[k]) for k in ("kernels", "views", "collectives", "host_reads")}
+        out["ops"] = per(sum(kinds.values()))
+        out["launches"] = per(kinds["kernels"] + kinds["collectives"] + kinds["host_reads"])
+        out["by_source"] = {s: per(n) for s, n in sorted(sources.items(), key=lambda kv: -kv[1])}
         out["steps"] = steps
         return out
 
@@ -205,7 +206,12 @@ def render_rows(counts: dict[str, Any]) -> list[list[str]]:
     """Rows of the op-count table: kernels, collectives, host reads and views per step, and the extra
     kernels by source (what the runtime adds to the step the bare loop also runs)."""
     rows = []
-    names = [("bare PyTorch loop", "bare"), ("ddp_slurm, world 1", "world_1"), ("ddp_slurm + guard, world 1", "world_1_guard"), ("ddp_slurm, world 2", "world_2")]  # fmt: skip
+    names = [
+        ("bare PyTorch loop", "bare"),
+        ("ddp_slurm, world 1", "world_1"),
+        ("ddp_slurm + guard, world 1", "world_1_guard"),
+        ("ddp_slurm, world 2", "world_2"),
+    ]
     for label, key in names:
         if key not in counts:
             continue

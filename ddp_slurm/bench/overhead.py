@@ -16,6 +16,10 @@ The two alternate (ddp_slurm, bare, ddp_slurm, bare, ...), because the speed of 
 over seconds; ``ratio`` is the median over pairs of ddp_slurm / bare samples/s. Targets: >= 0.95 on
 CPU, >= 0.97 for the cnn at batch 128 on a GPU. ``--cuda-graphs`` runs ddp_slurm with
 ``train.cuda_graphs=true`` (docs/gpu.md): the ratio is then the graphed loop's speed-up over the bare one.
+
+Beside the rates, the ops one optimizer step dispatches (``opcount.py``: counted on CPU, deterministic): the
+bare loop's, and the runtime's at world sizes 1 and 2 with what it adds by source (the stop vote, the loss
+window, the guard's trace with ``--guard``, ...). ``--ops-only``: the count alone; ``--no-ops``: the rates alone.
 """
 
 from __future__ import annotations
@@ -245,12 +249,13 @@ def render_ops(c: dict[str, Any], q: dict[str, Any]) -> str:
         "(the log lines in them amortised)"
     )
     w1, bare = c["world_1"], c["bare"]
+    extra = round(w1["launches"] - bare["launches"], 4)
     notes = [
-        f"world 1 adds {w1['launches'] - bare['launches']:g} launches per step to the bare loop's {bare['launches']:g} "
+        f"world 1 adds {extra:g} launches per step to the bare loop's {bare['launches']:g} "
         "(kernels + collectives + host reads; views launch nothing)",
         "extra by source: kernels, collectives and host reads per step outside the step and its batch ('step': the "
         "model, loss, backward, optimizer and schedule, as in the bare loop)",
-        "on a GPU the clock also records 2 CUDA events per step where slow ranks are timed (not aten ops)",
+        "not counted: CUDA events (the slow-rank clock's 2 per step where it times the forward, train/clock.py)",
     ]
     headers = ["loop", "kernels", "collectives", "host reads", "views", "extra by source"]
     return common.table(title, headers, opcount.render_rows(c), notes)
