@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,35 @@ def same(a: str, b: str) -> bool:
     return is_file and name_a == name_b and os.path.basename(file_a) == os.path.basename(file_b)
 
 
+TRUST = "DDP_SLURM_TRUST_TASK_FILE"
+"""A task file's absolute path: import it although someone else owns it (asked for by name, once per file)."""
+
+
+def check_code_owner(path: Path, spec: str) -> None:
+    """One trust rule for code a config names by file: it is imported only when it is yours (or root's) and
+    no other user can change it (the file, and its folder unless sticky), or when ``DDP_SLURM_TRUST_TASK_FILE``
+    names it. A run directory's owner says nothing of the code its config names: a ``cp -r`` of someone's run
+    makes the folder yours while its config still names her task file by its absolute path."""
+    if os.environ.get(TRUST) == str(path):
+        return
+    me = os.geteuid()
+    fix = f"copy it into a folder of your own and name the copy (task=copy.py:Name), or set {TRUST}={path}"
+    for item in (path, path.parent):
+        st = os.stat(item)
+        what = "task file" if item == path else "folder of the task file"
+        if st.st_uid not in (me, 0):
+            raise TaskError(
+                f"task={spec!r}: the {what} {item} is owned by uid {st.st_uid}, not by you: importing it would "
+                f"run someone else's code as you; {fix}"
+            )
+        sticky = item != path and st.st_mode & stat.S_ISVTX
+        if st.st_mode & stat.S_IWOTH and not sticky:  # a group's write is a team's (run.shared's rule)
+            raise TaskError(
+                f"task={spec!r}: the {what} {item} is writable by every user: anyone could change the code that "
+                f"runs as you; `chmod o-w {item}`, or {fix}"
+            )
+
+
 def task_path(cls: type) -> str:
     """The import path the config records for a task class: ``package.module:Name``."""
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -115,6 +145,7 @@ def resolve(spec: str) -> type:
                 raise TaskError(
                     f"task={spec!r}: file {module_name} not found (paths are relative to the working directory)"
                 )
+            check_code_owner(path, spec)
             module = _import_file(path)
         else:
             module = importlib.import_module(module_name)

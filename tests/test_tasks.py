@@ -365,3 +365,47 @@ def test_a_task_file_of_the_same_name_and_class_is_the_same_task_wherever_it_lie
     assert not taskref.same("/old/place/line.py:Line", "line.py:Other")
     assert not taskref.same("/old/place/line.py:Line", "lines.py:Line")
     assert not taskref.same("/old/place/line.py:Line", "line:Line")
+
+
+def test_a_copied_run_does_not_import_someone_else_s_task_file(tmp_path: Path) -> None:
+    """``load_model`` and ``resume`` refuse another user's run folder with "copy the run to a directory of your
+    own"; after ``cp -r`` the copy's config.yaml still names her task file by its absolute path. Copying must
+    not launder trust: her file is imported only when named in DDP_SLURM_TRUST_TASK_FILE; a file every user
+    can write is refused the same way."""
+    import os
+    import shutil
+
+    from conftest import skip_or_fail
+
+    if os.geteuid() != 0:
+        skip_or_fail("needs root to give a file to another user")
+    her = tmp_path / "her"
+    her.mkdir()
+    task = write_line_task(her)
+    marker = tmp_path / "her-code-ran"
+    task.write_text(task.read_text() + f"\nfrom pathlib import Path as _P\n_P({str(marker)!r}).write_text('ran')\n")
+    made = Launcher(her).run(
+        Launcher(her).cmd_train("task=line_task.py:Line", *LINE_RUN, "train.max_steps=4", "run.name=hers"), timeout=300
+    )
+    assert made.returncode == 0, made.stderr
+    for path in (her, task, *her.rglob("*")):
+        os.chown(path, 12345, 12345, follow_symlinks=False)
+    mine = tmp_path / "mine"
+    shutil.copytree(her / "runs", mine / "runs", symlinks=True)  # cp -r as me: the copy is mine, her task is not
+    marker.unlink()
+    ddp_slurm = [sys.executable, "-m", "ddp_slurm"]
+    refused = Launcher(mine).run([*ddp_slurm, "resume", "runs/hers"], timeout=300)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"{task} is owned by uid 12345, not by you" in refused.stderr, refused.stderr
+    assert f"DDP_SLURM_TRUST_TASK_FILE={task}" in refused.stderr
+    assert not marker.exists()
+    trusted = base_env(DDP_SLURM_TRUST_TASK_FILE=str(task))
+    asked = subprocess.run(
+        [*ddp_slurm, "resume", "runs/hers"], cwd=mine, env=trusted, capture_output=True, text=True, timeout=300
+    )
+    assert asked.returncode == 0 and "already finished at step 4" in asked.stderr, asked.stderr
+    os.chown(her, 0, 0)
+    os.chown(task, 0, 0)
+    task.chmod(0o666)
+    loose = Launcher(mine).run([*ddp_slurm, "resume", "runs/hers"], timeout=300)
+    assert loose.returncode == 2 and "is writable by every user" in loose.stderr, loose.stderr
