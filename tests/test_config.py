@@ -491,3 +491,15 @@ def test_a_node_range_is_two_keys_and_every_count_in_it_must_keep_the_micro_batc
     with pytest.raises(config.ConfigError, match="expected MIN-MAX with 1 <= MIN <= MAX, got '0-4'"):
         config.load(None, ["slurm.nodes=0-4"])
     assert config.load(None, ["slurm.nodes=3"]).slurm.node_span == (3, 3)
+
+
+def test_a_node_range_the_default_batch_does_not_split_over_names_both_keys_at_once() -> None:
+    """``submit --nodes 2-4`` with the default config once needed two failed tries (a global batch that is a
+    multiple of 12, then a micro-batch): one line now names a value for each, and they fit every count."""
+    cfg = config.load(None, ["slurm.nodes=2-4"])
+    with pytest.raises(config.ConfigError) as refused:
+        config.check_node_range(cfg, 4)
+    said = str(refused.value)
+    assert "set train.global_batch_size=96 and train.micro_batch_size=2" in said, said
+    fixed = config.with_overrides(cfg, ["train.global_batch_size=96", "train.micro_batch_size=2"])
+    config.check_node_range(fixed, 4)  # the values named fit every count of the range

@@ -374,6 +374,11 @@ def check_world_size(cfg: Config, world: int, how: str = "") -> None:
         )
 
 
+def _micro_batches(g: int, counts: range, tasks_per_node: int) -> list[int]:
+    """The per-rank micro-batches that split a global batch ``g`` at every node count, largest first."""
+    return [m for m in range(g, 0, -1) if all(g % (n * tasks_per_node * m) == 0 for n in counts)]
+
+
 def check_node_range(cfg: Config, tasks_per_node: int) -> None:
     """Every node count the job may start on (``slurm.min_nodes`` to ``slurm.nodes``) keeps the global batch with
     one per-rank micro-batch (``train.micro_batch_size``): ConfigError naming the first count that does not, and
@@ -386,12 +391,17 @@ def check_node_range(cfg: Config, tasks_per_node: int) -> None:
     g = cfg.train.global_batch_size
     counts = range(lo, hi + 1)
     if lo < hi and cfg.train.micro_batch_size is None:
-        fits = [m for m in range(g, 0, -1) if all(g % (n * tasks_per_node * m) == 0 for n in counts)]
-        fix = (
-            f"set train.micro_batch_size={fits[0]}"
-            if fits
-            else f"make train.global_batch_size a multiple of {math.lcm(*counts) * tasks_per_node}"
-        )
+        fits = _micro_batches(g, counts, tasks_per_node)
+        if fits:
+            fix = f"set train.micro_batch_size={fits[0]}"
+        else:  # both keys at once: one try, not two (a global batch that splits, then a micro-batch for it)
+            step = math.lcm(*counts) * tasks_per_node
+            bigger = -(-g // step) * step
+            fix = (
+                f"set train.global_batch_size={bigger} and train.micro_batch_size="
+                f"{_micro_batches(bigger, counts, tasks_per_node)[0]} (a global batch of {g} does not split over "
+                f"{', '.join(str(n) for n in counts)} node(s) x {tasks_per_node} task(s))"
+            )
         raise ConfigError(
             f"--nodes {lo}-{hi} changes the world size, and train.accumulate={cfg.train.accumulate} would change the "
             f"per-rank micro-batch with it: {fix} (each launch then chooses its accumulation)"
