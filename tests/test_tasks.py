@@ -409,3 +409,13 @@ def test_a_copied_run_does_not_import_someone_else_s_task_file(tmp_path: Path) -
     task.chmod(0o666)
     loose = Launcher(mine).run([*ddp_slurm, "resume", "runs/hers"], timeout=300)
     assert loose.returncode == 2 and "is writable by every user" in loose.stderr, loose.stderr
+
+
+def test_tensors_unpack_into_the_tensors_given() -> None:
+    """``x, y = task.eval_data()``: a fresh user could not unpack ``Tensors`` to feed an exported model."""
+    from ddp_slurm import Tensors
+
+    x, y = torch.arange(6.0).reshape(3, 2), torch.tensor([0, 1, 0])
+    data = Tensors(x, y)
+    first, second = data
+    assert first is x and second is y and len(data) == 3 and data.tensors == (x, y)

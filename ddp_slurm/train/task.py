@@ -33,6 +33,7 @@ a task imports.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -48,6 +49,9 @@ class Tensors:
     The runtime moves them to the rank's device once and builds each batch by indexing: no worker
     processes, no collation, no per-sample Python. Batches are tuples in the order given.
     Use it when the data fits in (device) memory; otherwise return a map-style ``Dataset``.
+
+    ``len()`` is the number of samples; ``.tensors`` holds the tensors, which also unpack:
+    ``images, labels = task.eval_data()`` (inputs prepared as the task prepares them, e.g. for an exported model).
     """
 
     def __init__(self, *tensors: torch.Tensor) -> None:
@@ -60,6 +64,10 @@ class Tensors:
 
     def __len__(self) -> int:
         return self.tensors[0].shape[0]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """The tensors, in the order given (``x, y = data``), not the samples."""
+        return iter(self.tensors)
 
     def to(self, device: torch.device) -> Tensors:
         return Tensors(*(t.to(device) for t in self.tensors))
