@@ -38,6 +38,11 @@ class StopVote:
     here synchronises a stream or the device (``torch.cuda.set_sync_debug_mode("error")`` passes:
     tests/test_gpu_path.py; tests/test_step.py checks on CPU that no Python number is written into
     the device buffer). Only ``wait=True`` and ``settle`` wait for the step just posted.
+
+    One rank (CPU or CUDA) has nothing to agree on, but must still notice a stop and a non-finite loss,
+    one step late as above: its flags stay Python numbers and only the loss goes to the host, one copy
+    per step (``_Solo``), checked there when read. No flags buffer, no collective, no side stream: the
+    one op a step adds (``bench overhead`` counts it; tests/test_bench.py bounds it).
     """
 
     def __init__(
@@ -74,14 +79,24 @@ class StopVote:
         slot = 1 if previous is not None and previous[0] == 0 else 0
         requeue, terminate = float(self.stop.requeue_requested), float(self.stop.terminate_requested)
         failed = float(self._failed is not None and self._failed())
-        if self._solo is not None and self._staged is None:  # one rank: the flags stay Python numbers
+        if self._alone:  # one rank: the flags stay Python numbers, the loss goes to the host
             self._local[slot] = (requeue, terminate, 0.0, failed, 0.0)
-            self._solo.post(slot, loss)
+            self._solo.post(slot, loss)  # type: ignore[union-attr]
             self._pending = (slot, None, loss, step)
-            agreed = self._collect(previous)
-            if wait:
-                agreed = tuple(a or b for a, b in zip(agreed, self.settle()))
-            return agreed  # type: ignore[return-value]
+        else:
+            self._post(slot, loss, step, (requeue, terminate, failed))
+        agreed = self._collect(previous)
+        if wait:
+            agreed = tuple(a or b for a, b in zip(agreed, self.settle()))
+        return agreed  # type: ignore[return-value]
+
+    @property
+    def _alone(self) -> bool:
+        return self._solo is not None and self._staged is None
+
+    def _post(self, slot: int, loss: torch.Tensor | None, step: int, host: tuple[float, float, float]) -> None:
+        """Several ranks: the flags into the slot's buffer and its all-reduce started, without waiting."""
+        requeue, terminate, failed = host
         flags = self._buffers[slot]
         if self._staged is None:  # CPU: the loss is readable at once, and one copy beats five element writes
             value = 0.0 if loss is None else loss.item()
@@ -101,10 +116,6 @@ class StopVote:
             self._cuda.post(slot, flags, work)
             work = None  # the side stream waits for it
         self._pending = (slot, work, loss, step)
-        agreed = self._collect(previous)
-        if wait:
-            agreed = tuple(a or b for a, b in zip(agreed, self.settle()))
-        return agreed  # type: ignore[return-value]
 
     def settle(self) -> tuple[bool, bool, bool]:
         """Wait for the last posted flags and return them agreed: no collective is left in flight."""
@@ -117,8 +128,8 @@ class StopVote:
         slot, work, loss, step = pending
         if self._cuda is not None:
             values = self._cuda.read(slot)
-        elif self._solo is not None and self._staged is None:
-            value = 0.0 if loss is None else self._solo.read(slot)
+        elif self._alone:
+            value = 0.0 if loss is None else self._solo.read(slot)  # type: ignore[union-attr]
             requeue, terminate, _, failed, _ = self._local[slot]
             values = (requeue, terminate, float(not math.isfinite(value)), failed, value)
         else:
