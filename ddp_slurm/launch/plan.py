@@ -254,7 +254,11 @@ def supervised(plan: Plan, extra: dict[str, Any]) -> list[str]:
     extra["no_kill"] = True
     train = shlex.quote(shlex.join(plan.runs[0].argv))
     line = f'srun() {{ {shlex.quote(sys.executable)} -m ddp_slurm.launch.supervise --submitit {train} -- "$@"; }}'
-    return [script_safe("the training's arguments", line, "remove control characters from the overrides")]
+    why = (
+        "# srun below runs through ddp_slurm's supervisor: it relaunches the step on the nodes left when one is "
+        "lost (--no-kill keeps the allocation), at most slurm.restarts times"
+    )
+    return [why, script_safe("the training's arguments", line, "remove control characters from the overrides")]
 
 
 def sbatch_script(plan: Plan) -> str:
