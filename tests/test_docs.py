@@ -283,7 +283,7 @@ def test_make_run_installs_no_test_tools_and_torch_cpu_takes_the_cpu_build(tmp_p
     assert "ddp_slurm.launch --standalone --nproc_per_node 2" in run
     assert re.search(r"python -m ddp_slurm.tools.torchbuild *\n", run)  # which build got installed, said last
     test = recipe("test")
-    assert "-e '.[test]'" in test and "-m pytest" in test
+    assert "-e '.[test]'" in test and "tests/run_suite.py" in test  # pytest twice, side by side
     cpu = recipe("run", "TORCH=cpu")
     assert (
         "pip install -q --extra-index-url https://download.pytorch.org/whl/cpu --upgrade torch torchvision -e ." in cpu
