@@ -109,14 +109,6 @@ def test_fp32_runs_anywhere() -> None:
     check_precision("fp32", torch.device("cuda", 0))  # no CUDA call for fp32: nothing to ask the GPU
 
 
-def test_bf16_on_cpu_is_refused() -> None:
-    with pytest.raises(ConfigError) as info:
-        check_precision("bf16", torch.device("cpu"))
-    assert (
-        str(info.value) == "train.precision=bf16 needs a CUDA GPU, and this rank runs on cpu: use train.precision=fp32"
-    )
-
-
 @pytest.mark.parametrize(
     ("capability", "name", "refused"),
     [

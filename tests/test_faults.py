@@ -710,8 +710,6 @@ BAD_INPUTS: dict[str, Bad] = {
     ),
     "unknown-flag": Bad(("--epochs", "3"), ("unrecognized arguments: --epochs",)),
     "flag-without-value": Bad(("--config",), ("argument --config: expected one argument",)),
-    "bf16-on-cpu": Bad(("train.precision=bf16",), ("train.precision=bf16 needs a CUDA GPU",)),
-    "fp16-on-cpu": Bad(("train.precision=fp16",), ("train.precision=fp16 needs a CUDA GPU",)),
     "fp16-under-fsdp": Bad(
         ("train.precision=fp16", "dist.strategy=fsdp"), ("train.precision=fp16 runs under dist.strategy=ddp, not fsdp",)
     ),

@@ -10,10 +10,12 @@ import os
 import re
 import shutil
 import signal
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import pytest
 import test_resume
 import torch
@@ -57,6 +59,28 @@ def assert_same_state(run_dir: Path, reference: Path) -> None:
     assert not different, f"weights differ from the uninterrupted run: {different}"
     a, b = dict(checkpoint._tensors(got["optimizer"])), dict(checkpoint._tensors(want["optimizer"]))
     assert a.keys() == b.keys() and all(torch.equal(t, b[k]) for k, t in a.items())
+
+
+def assert_stop_and_resume_bit_identical(
+    launches: list[Launch], cwd: Path, world_size: int, args: list[str], after_step: int
+) -> int:
+    """The run left alone (in ``cwd/ref``, which may hold the task's file), then the same run stopped by
+    SIGUSR2 to its last rank once it has trained ``after_step`` steps (every rank exits 75 with a checkpoint
+    of the stop step) and launched again to the end: both end with the same weights, buffers and optimizer
+    state (torch.equal). Any strategy; returns the stop step."""
+    (cwd / "ref").mkdir(exist_ok=True)
+    reference = run_to_end(launches, cwd / "ref", world_size, args)
+    first = start(launches, cwd, world_size, args)
+    first.wait_until_catching(signal.SIGUSR2)
+    first.wait_for_row(
+        f"training to pass step {after_step}", lambda r: r["kind"] == "train" and r["step"] >= after_step
+    )
+    first.signal(world_size - 1, signal.SIGUSR2)
+    stop = test_resume.assert_stopped(first)["step"]
+    second = run_to_end(launches, cwd, world_size, args)
+    assert_resumed_from(second, stop)
+    assert_same_state(first.run_dir, reference.run_dir)
+    return stop
 
 
 def assert_stopped(launch: Launch) -> int:
@@ -243,17 +267,61 @@ def test_batch_norm_statistics_resume_exactly_under_fsdp(launches: list[Launch],
     args += ["train.log_every_steps=1", "checkpoint.every_steps=4", "checkpoint.keep=100", "run.name=r"]
     for where in (tmp_path, tmp_path / "ref"):
         (where / "resnet_task.py").write_text(RESNET_TASK)
-    reference = run_to_end(launches, tmp_path / "ref", 2, args)
-    final = checkpoint.load_latest(reference.run_dir)
+    stop = assert_stop_and_resume_bit_identical(launches, tmp_path, 2, args, after_step=5)
+    assert 5 <= stop < 16
+    final = checkpoint.load_latest(tmp_path / "ref" / "runs" / "r")
     assert final is not None and final["step"] == 16
     assert sum(k.endswith("running_mean") for k in final["model"]) == 20
 
-    first = start(launches, tmp_path, 2, args)
-    first.wait_until_catching(signal.SIGUSR2)
-    first.wait_for_row("training to pass step 5", lambda r: r["kind"] == "train" and r["step"] >= 5)
-    first.signal(1, signal.SIGUSR2)
-    stop = assert_stopped(first)
-    assert 5 <= stop < 16
-    second = run_to_end(launches, tmp_path, 2, args)
-    assert_resumed_from(second, stop)
-    assert_same_state(first.run_dir, reference.run_dir)
+
+BF16_NORMS = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from ddp_slurm.train import fsdp
+    from ddp_slurm.train.step import autocast
+
+    rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    head = nn.Linear(4 * 8 * 8, 2)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), block, nn.Flatten(), head, nn.BatchNorm1d(2))
+    norms = [model[1], block[1], model[5]]  # a unit itself, inside a unit, left to the root
+    cpu = torch.device("cpu")
+    fsdp.shard(model, [model[1], block, head], cpu, "bf16")
+    seen = {}
+
+    def weight_dtype(name):  # the dtype each layer computes with: its gathered weight, seen as its forward starts
+        def hook(module, args):
+            seen.setdefault(name, str(module.weight.dtype))
+        return hook
+
+    for name, module in (("unit", model[1]), ("inner", block[1]), ("root", model[5]), ("head", head)):
+        module.register_forward_pre_hook(weight_dtype(name))
+    for _ in range(2):
+        with autocast(cpu, "bf16"):
+            y = model(torch.randn(8, 1, 8, 8))
+        y.float().square().mean().backward()
+    buffers = sorted({str(b.dtype) for m in norms for b in m.buffers() if b.is_floating_point()})
+    grads = sorted({str(p.grad.dtype) for p in model.parameters()})
+    own = [fsdp.is_sharded(m) for m in norms]
+    with open(out, "w") as f:
+        json.dump({"seen": seen, "buffers": buffers, "grads": grads, "own": own}, f)
+    dist.destroy_process_group()
+""")
+
+
+def test_bf16_shards_every_batch_norm_on_its_own_in_fp32(tmp_path: Path) -> None:
+    """train.precision=bf16 under fsdp, a model with batch norm as a unit, inside a unit and left to the root
+    (2 ranks): each batch norm is sharded on its own and computes with fp32 weights beside its fp32
+    statistics, while the other layers gather bf16 weights; forward and backward run. Under one bf16
+    policy for all (the old code) the first batch norm raises "expected scalar type BFloat16 but found Float"."""
+    script = tmp_path / "norms.py"
+    script.write_text(BF16_NORMS)
+    r0, r1 = helpers.two_ranks(script, tmp_path)
+    assert r0 == r1
+    want = {"unit": "torch.float32", "inner": "torch.float32", "root": "torch.float32", "head": "torch.bfloat16"}
+    assert r0["seen"] == want
+    assert r0["buffers"] == ["torch.float32"] and r0["grads"] == ["torch.float32"] and r0["own"] == [True] * 3

@@ -1,22 +1,35 @@
-"""``train.precision=fp16`` (``train/precision.py``, the step in ``train/accumulate.py``, the scaler's state in
-``train/checkpoint/state.py``): what runs without a GPU. fp16 autocast and torch's GradScaler run on CPU, so
-the step, the skipped steps and the checkpointed scale are tested here on CPU; training with
-``train.precision=fp16`` itself is refused on CPU (slower than fp32 there) and under fsdp."""
+"""``train.precision`` (``train/precision.py``, the step in ``train/accumulate.py``, the scaler's state in
+``train/checkpoint/state.py``, the bf16 policy in ``train/fsdp.py``). bf16 and fp16 train on CPU under torch's
+CPU autocast (with one warning: for testing the GPU path), so the step, the skipped steps, the checkpointed
+scale and the bf16 FSDP2 path a GPU cluster runs are tested here; fp16 stays refused under fsdp. Whole runs:
+bf16 under ddp and fsdp and fp16 under ddp, with the batch-norm cnn, stopped by SIGUSR2 and relaunched, end
+bit-identical to the run left alone."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import helpers
 import pytest
+import test_guard
+import test_resume
 import torch
+from conftest import Launcher, base_env
+from guard_helpers import GUARDED, same_weights, write_poison_task
+from tasks_helpers import LINE_RUN, write_line_task
+from test_fsdp import assert_stop_and_resume_bit_identical
+from test_resume import Launch
 from torch import nn
 
+import ddp_slurm
 from ddp_slurm import config
 from ddp_slurm.config import ConfigError
-from ddp_slurm.train import checkpoint, graphs, strategy
+from ddp_slurm.errors import UsageError
+from ddp_slurm.train import checkpoint, graphs, metrics, strategy
 from ddp_slurm.train.accumulate import NormWindow
 from ddp_slurm.train.checkpoint.backends import WholeFile
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
@@ -28,12 +41,16 @@ from ddp_slurm.train.vote import StopVote
 CPU = torch.device("cpu")
 
 
-def test_fp16_is_refused_on_cpu_and_under_fsdp_in_one_line() -> None:
-    with pytest.raises(ConfigError) as info:
-        check_precision("fp16", CPU, strategy.of("ddp"))
-    assert (
-        str(info.value) == "train.precision=fp16 needs a CUDA GPU, and this rank runs on cpu: use train.precision=fp32"
-    )
+def test_mixed_precision_runs_on_cpu_with_a_warning_and_fp16_is_refused_under_fsdp(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for precision in ("bf16", "fp16"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ddp_slurm"):
+            check_precision(precision, CPU, strategy.of("ddp"))
+        [line] = caplog.messages
+        assert line.startswith(f"train.precision={precision} on CPU: torch's CPU autocast, for testing the GPU path")
+    check_precision("bf16", CPU, strategy.of("fsdp"))
     for device in (CPU, torch.device("cuda", 0)):  # the strategy is asked first: no GPU needed to learn it
         with pytest.raises(ConfigError) as info:
             check_precision("fp16", device, strategy.of("fsdp"))
@@ -41,6 +58,29 @@ def test_fp16_is_refused_on_cpu_and_under_fsdp_in_one_line() -> None:
         assert "\n" not in message and message.startswith("train.precision=fp16 runs under dist.strategy=ddp, not fsdp")
         assert message.endswith("use train.precision=bf16")
     check_precision("fp16", torch.device("cuda", 0), strategy.of("ddp"))  # any CUDA GPU: fp16 needs no capability
+    with pytest.raises(
+        ConfigError, match=r"^train.precision=bf16 runs on a CUDA GPU or the CPU, and this rank runs on meta"
+    ):
+        check_precision("bf16", torch.device("meta"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_step_runs_its_forward_under_cpu_autocast(precision: str) -> None:
+    """The task's forward inside the step computes in the chosen dtype on CPU; the weights stay fp32."""
+    seen: list[torch.dtype] = []
+    model = nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_of(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = m(batch[0])
+        seen.append(out.dtype)
+        return nn.functional.cross_entropy(out.float(), batch[1])
+
+    scheduler = make_scheduler(config.Config().train, optimizer, 10)
+    step = make_step(model, optimizer, scheduler, loss_of, CPU, precision, scaler=make_scaler(precision, CPU))
+    step(batches(1)[0])
+    assert seen == [torch.bfloat16 if precision == "bf16" else torch.float16]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_the_captured_step_refuses_fp16() -> None:
@@ -179,3 +219,114 @@ def test_accumulated_micro_batches_are_scaled_each_and_unscaled_once() -> None:
     (norm1, weights1), (norm2, weights2) = results
     assert norm2 == pytest.approx(norm1, rel=1e-2)
     assert all(torch.allclose(a, b, atol=1e-3) for a, b in zip(weights1, weights2))
+
+
+def test_fp16_with_an_unfused_optimizer_is_refused_under_sync_debug_error() -> None:
+    """``GradScaler.step`` reads the inf flag with ``.item()`` unless the optimizer is fused: one host sync per
+    step, refused in one line when ``DDP_SLURM_SYNC_DEBUG=error`` (on CPU too: CI meets what a GPU run would)."""
+    model = nn.Linear(4, 2)
+    fused = make_optimizer(config.Config().train, model.parameters(), CPU)
+    unfused = torch.optim.AdamW(model.parameters(), foreach=True)
+    error = {"DDP_SLURM_SYNC_DEBUG": "error"}
+    assert isinstance(make_scaler("fp16", CPU, fused, error), torch.amp.GradScaler)
+    for environ in ({}, {"DDP_SLURM_SYNC_DEBUG": "warn"}):
+        assert isinstance(make_scaler("fp16", CPU, unfused, environ), torch.amp.GradScaler)
+    assert make_scaler("bf16", CPU, unfused, error) is None
+    with pytest.raises(UsageError) as info:
+        make_scaler("fp16", CPU, unfused, error)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(
+        "train.precision=fp16 with an optimizer that is not fused (AdamW)"
+    ), message
+    assert "DDP_SLURM_SYNC_DEBUG=error refuses: use a fused optimizer" in message
+
+
+# -- whole runs: 2 CPU ranks, the batch-norm cnn, stopped by SIGUSR2 and relaunched ---------------------------
+
+MIXED = [
+    "train.global_batch_size=128",
+    "train.epochs=1",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep=100",
+    "run.name=r",
+]
+MODEL = {  # fp16 convolutions on CPU take seconds a step: the fp16 run trains the mlp, through many more steps
+    "bf16": ["model.name=cnn", "train.max_steps=20", "train.log_every_steps=1"],
+    "fp16": ["model.name=mlp", "train.max_steps=60", "train.log_every_steps=2"],
+}
+
+
+@pytest.fixture
+def launches() -> Iterator[list[Launch]]:
+    """test_resume's fixture: the launches of a test, any still running killed at its end."""
+    yield from test_resume.launches.__wrapped__()
+
+
+@pytest.mark.parametrize(
+    ("precision", "strategy"),
+    [("bf16", "ddp"), ("bf16", "fsdp"), ("fp16", "ddp")],
+    ids=["bf16-ddp", "bf16-fsdp", "fp16-ddp"],
+)
+def test_mixed_precision_on_cpu_resumes_bit_identical(
+    launches: list[Launch], tmp_path: Path, precision: str, strategy: str
+) -> None:
+    """What a GPU cluster runs, on 2 CPU ranks: the cnn (batch norm after every convolution) in bf16 under ddp
+    and under fsdp (FSDP2's bf16 policy: batch norm sharded on its own in fp32), and the mlp in fp16 under ddp
+    (the gradient scaler, its state checkpointed). SIGUSR2 mid-run and a relaunch end with the weights,
+    batch-norm statistics, optimizer state and scaler state of the run left alone (torch.equal); the run's
+    evaluation runs in the same precision, and the newest checkpoint exports to fp32 weights that load back."""
+    args = [*MIXED, *MODEL[precision], f"train.precision={precision}", f"dist.strategy={strategy}"]
+    stop = assert_stop_and_resume_bit_identical(launches, tmp_path, 2, args, after_step=4)
+    reference = tmp_path / "ref" / "runs" / "r"
+    final, want = checkpoint.load_latest(tmp_path / "runs" / "r"), checkpoint.load_latest(reference)
+    assert final is not None and want is not None and 4 <= stop < want["step"]
+    # fp16: the scale and its count of steps since the last overflow came back from the checkpoint
+    assert final["scaler"] == want["scaler"] and (final["scaler"] is not None) == (precision == "fp16")
+    log = (tmp_path / "ref" / "launch-0.log").read_text()  # the run left alone: one warning, from rank 0
+    assert log.count(f"train.precision={precision} on CPU: torch's CPU autocast") == 1, log[-3000:]
+    evals = [r for r in metrics.read(reference / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals and evals[-1]["accuracy"] > 0.5, evals
+    if strategy == "fsdp":
+        res = test_resume.export(tmp_path, tmp_path / "runs" / "r", tmp_path / "export")
+        assert res.returncode == 0, res.stderr
+        plain = torch.load(tmp_path / "export" / "model.pt", weights_only=True)
+        assert all(t.dtype in (torch.float32, torch.int64) for t in plain.values())
+        assert all(torch.equal(plain[k], t) for k, t in final["model"].items())
+        assert ddp_slurm.load_model(tmp_path / "export") is not None
+
+
+def test_the_guard_replays_bf16_steps_bit_for_bit_under_fsdp(tmp_path: Path) -> None:
+    """bf16 under fsdp with the guard on (2 ranks): poisoned samples are rolled back and replayed, the replay
+    computes the same bits (the verdict "reproduced" needs them), the steps are skipped, and the run ends
+    torch.equal to one told to skip those steps from the start."""
+    write_poison_task(tmp_path)
+    args = [*GUARDED, "train.precision=bf16", "dist.strategy=fsdp"]
+    test_guard.train(tmp_path, 2, *args, "poison.ids=300", "run.name=poisoned")
+    test_guard.train(tmp_path, 2, *args, "guard.skip=9,18", "run.name=skipped")
+    run_dir = tmp_path / "runs" / "poisoned"
+    replays = [(r["verdict"], r["first"] == r["replay"]) for r in test_guard.rows(run_dir, "replay")]
+    assert replays == [("reproduced", True)] * 2
+    assert [r["steps"] for r in test_guard.rows(run_dir, "skip")] == [[9, 9], [18, 18]]
+    assert same_weights(run_dir, tmp_path / "runs" / "skipped")
+
+
+UNFUSED = """
+
+class UnfusedLine(Line):
+    def configure_optimizer(self, model):
+        return torch.optim.SGD(model.parameters(), lr=0.1)  # torch's default: not fused
+"""
+
+
+def test_a_run_with_fp16_and_an_unfused_optimizer_stops_at_start_under_sync_debug_error(launcher: Launcher) -> None:
+    """The refusal reaches a real launch: exit 2, one line, before the run directory exists."""
+    path = write_line_task(launcher.cwd)
+    path.write_text(path.read_text() + UNFUSED)
+    cmd = launcher.cmd_train("task=line_task.py:UnfusedLine", *LINE_RUN, "train.precision=fp16", "run.name=u")
+    res = launcher.run(cmd, env=base_env(DDP_SLURM_SYNC_DEBUG="error"))
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "train.precision=fp16 with an optimizer that is not fused (SGD)" in errors[0], (
+        res.stderr[-3000:]
+    )
+    assert not (launcher.cwd / "runs" / "u").exists()

@@ -303,12 +303,13 @@ def test_local_executor_runs_two_ranks_to_the_end(launcher: Launcher) -> None:
 
 
 def test_wait_exits_with_trainings_status_and_the_failing_ranks_lines(launcher: Launcher) -> None:
-    # bf16 on CPU passes the config checks but training refuses it once running: exit 2 inside the job.
-    res = launcher.run(SUBMIT + ["--cluster", "local", "--wait", "--name", "bad", *TINY, "train.precision=bf16"])
+    # fp16 under fsdp passes the config checks but training refuses it once running: exit 2 inside the job.
+    bad = [*TINY, "train.precision=fp16", "dist.strategy=fsdp"]
+    res = launcher.run(SUBMIT + ["--cluster", "local", "--wait", "--name", "bad", *bad])
     assert res.returncode == 2, res.stdout + res.stderr
     assert (
-        "rank 0 failed: training exited 2 on rank 0 (usage or config error): train.precision=bf16 needs a CUDA GPU"
-        in res.stderr
+        "rank 0 failed: training exited 2 on rank 0 (usage or config error): "
+        "train.precision=fp16 runs under dist.strategy=ddp, not fsdp" in res.stderr
     )
     assert "--- last lines of the failing rank's log" in res.stdout
 

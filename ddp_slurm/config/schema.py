@@ -152,10 +152,10 @@ class TrainConfig:
     eval_batch_size: int = checked(256, check=lambda v: v >= 1, expected="an integer >= 1", resumable=True)
     """Samples per evaluation batch on each rank."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """``bf16`` runs forward/backward under CUDA bf16 autocast; refused on CPU (no speed-up there) and on GPUs
-    older than compute capability 8.0 (no bf16 tensor cores). ``fp16``: fp16 autocast with a gradient scaler
-    (checkpointed; a step whose gradients overflow is skipped and the scale halved), for GPUs without bf16;
-    refused on CPU and under dist.strategy=fsdp. docs/gpu.md."""
+    """``bf16`` runs forward/backward under bf16 autocast; refused on GPUs older than compute capability 8.0
+    (no bf16 tensor cores). ``fp16``: fp16 autocast with a gradient scaler (checkpointed; a step whose gradients
+    overflow is skipped and the scale halved), for GPUs without bf16; refused under dist.strategy=fsdp. On CPU
+    both run under torch's CPU autocast, with a warning: for testing the GPU path, usually no faster. docs/gpu.md."""
     deterministic: bool = False
     """GPU runs repeat bit-for-bit and resume bit-identically: deterministic cuDNN/cuBLAS kernels (somewhat
     slower); an op without one raises. CPU runs are bit-exact either way. Guarantees: docs/determinism.md."""

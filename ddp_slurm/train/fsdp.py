@@ -10,7 +10,11 @@ Choices, and why:
 - units reshard after forward (the memory FSDP exists for), the root does not: its parameters are
   needed again at once by backward, so freeing them would only buy a second all-gather;
 - ``train.precision=bf16``: parameters are gathered in bf16 and gradients reduced in fp32 (the
-  mixed-precision policy FSDP2 documents); fp32 otherwise;
+  mixed-precision policy FSDP2 documents); fp32 otherwise. Batch norm is the exception: each one is
+  sharded on its own, first, with an fp32 policy (torchtitan#674's fix), because ``batch_norm`` refuses bf16
+  weights beside its fp32 running statistics ("expected scalar type BFloat16 but found Float", on GPU and
+  CPU alike) and its statistics must stay fp32 to resume exactly. Its fp32 weights take the bf16
+  activations as they come, as under ddp's autocast; its few parameters cost one more all-gather each;
 - the task's ``training_step`` and ``eval_step`` are the same as under DDP: the sharded module is
   called like the plain one.
 
@@ -64,10 +68,30 @@ def shard(
         if precision == "bf16"
         else MixedPrecisionPolicy()
     )
+    norms = batch_norms(model) if precision == "bf16" else []
+    # the activation reaches it as under ddp's autocast (bf16, not cast up): same arithmetic, no fp32 copy
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for norm in norms:  # before the units that hold them: a unit leaves its sharded submodules' parameters alone
+        fully_shard(norm, mesh=mesh, mp_policy=fp32, reshard_after_forward=UNIT_RESHARD_AFTER_FORWARD)
+    sharded = {id(m) for m in norms}
     for unit in units:
+        if id(unit) in sharded:  # a batch norm named as a unit (the default units of a Sequential): done above
+            continue
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=UNIT_RESHARD_AFTER_FORWARD)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=ROOT_RESHARD_AFTER_FORWARD)
     return model
+
+
+def batch_norms(model: nn.Module) -> list[nn.Module]:
+    """Every batch norm of ``model`` that holds parameters (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, lazy
+    ones: torch's ``_BatchNorm``), the model itself excepted (it is always sharded last, as the root)."""
+    return [
+        m
+        for m in model.modules()
+        if m is not model
+        and isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and next(m.parameters(recurse=False), None) is not None
+    ]
 
 
 def is_sharded(model: nn.Module) -> bool:

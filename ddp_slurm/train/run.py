@@ -112,7 +112,7 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
     module = strategy.wrap(model, task, device, tc.precision, env.world_size, tc.activation_checkpoint, groups.train)
     optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
     scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
-    scaler = make_scaler(tc.precision, device)
+    scaler = make_scaler(tc.precision, device, optimizer)  # fp16: refused if its step would sync (sync-debug)
     clock = None
     if tc.cuda_graphs:  # train.cuda_graphs: the whole step captured once and replayed (graphs.py)
         train_step = graphs.make_step(module, optimizer, scheduler, task.training_step, device, tc.precision)
