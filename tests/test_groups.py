@@ -32,7 +32,18 @@ with group.distributed(env, "gloo", timeout_s=60) as (device, backend):
     out = [None]
     dist.broadcast_object_list(out if env.rank else ["hello"], src=0, group=made.host)
     dist.all_reduce(flag, group=made.train)
-    line = f"rank {env.rank}: host {flag.item()}, train group {made.train is not None}, same {made.train is made.host}"
+    waits = sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in (made.train, made.host) if g is not None})
+    line = f"rank {env.rank}: host {flag.item()}, train group {made.train is not None}, same {made.train is made.host}, waits {waits}"
+    os.write(1, f"{line}\\n".encode())
+
+    from ddp_slurm.train.step import take_rank0_buffers
+    norm = torch.nn.BatchNorm1d(3)
+    norm.running_mean.fill_(env.rank)
+    norm.num_batches_tracked.fill_(10 + env.rank)
+    sent, broadcast = [], dist.broadcast
+    dist.broadcast = lambda tensor, *a, **k: (sent.append(str(tensor.dtype)), broadcast(tensor, *a, **k))[1]
+    take_rank0_buffers(norm, env.world_size, made.train)
+    line = f"rank {env.rank}: buffers {norm.running_mean.tolist()} {norm.num_batches_tracked.item()} in {sent}"
     os.write(1, f"{line}\\n".encode())
 """
 
@@ -56,7 +67,9 @@ def test_every_child_process_of_the_suite_runs_under_the_mode() -> None:
 def test_a_host_tensor_on_the_default_group_fails_as_on_nccl(tmp_path: Path, shaped: str) -> None:
     """Under the mode a CPU all-reduce on the default group fails as NCCL's does ("No backend type
     associated with device type cpu"), and the groups the runtime names carry host tensors and objects;
-    without it nothing is made (gloo's default group carries everything)."""
+    without it nothing is made (gloo's default group carries everything). Under the mode the training and
+    host groups are two groups, each waiting the run's timeout (torch's default would be 30 minutes). Rank 0's
+    batch-norm buffers reach rank 1 in one broadcast per dtype."""
     (tmp_path / "script.py").write_text(SCRIPT)
     launcher = Launcher(tmp_path)
     res = launcher.run(
@@ -65,13 +78,14 @@ def test_a_host_tensor_on_the_default_group_fails_as_on_nccl(tmp_path: Path, sha
         timeout=180,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "rank 1: buffers [0.0, 0.0, 0.0] 10 in ['torch.float32', 'torch.int64']" in res.stdout
     if shaped == "1":
         assert res.stdout.count("default group: No backend type associated with device type cpu") == 2, res.stdout
-        assert "rank 1: host 4.0, train group True, same True" in res.stdout
+        assert "rank 1: host 4.0, train group True, same False, waits [60.0]" in res.stdout  # dist.timeout_s
         assert "(cuda:gloo, the NCCL-shaped test mode)" in res.stderr
     else:
         assert res.stdout.count("default group: carried") == 2, res.stdout
-        assert "rank 1: host 4.0, train group False, same True" in res.stdout
+        assert "rank 1: host 4.0, train group False, same True, waits []" in res.stdout
 
 
 def test_a_bad_value_stops_a_launch_before_anything_is_made(tmp_path: Path) -> None:

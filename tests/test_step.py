@@ -273,7 +273,7 @@ EVAL_VOTE = textwrap.dedent("""
     results = {}
     for case, stop_at in (("whole", None), ("stopped", 2)):
         stop, ran = StopFlag(), []
-        vote = EvalVote(stop, 2, torch.device("cpu"), None)
+        vote = EvalVote(stop, 2, None)
 
         def metrics_of(model, batch, stop=stop, ran=ran):
             ran.append(len(batch[0]))

@@ -33,20 +33,23 @@ NONE, DONE, IMPROVED, STOPPED, EARLY = "none", "done", "improved", "stopped", "e
 class EvalVote:
     """The ranks' agreement, before each evaluation batch, on whether to go on: a stop signal on any rank
     abandons the evaluation on every rank at the same batch. One MAX all-reduce of (requeue, terminate,
-    has a batch) per batch on the training group; a rank whose shard ran out (DDP shards differ by a batch
-    at most) keeps voting until no rank has a batch left, so every rank makes the same collectives. With
-    one rank the flags are read directly. It waits for the device once per evaluation batch (the flags
-    are read on the host), which evaluation already does in effect: its batches are not overlapped."""
+    has a batch) per batch; a rank whose shard ran out (DDP shards differ by a batch at most) keeps voting
+    until no rank has a batch left, so every rank makes the same collectives. With one rank the flags are
+    read directly.
 
-    def __init__(self, stop: StopFlag, world_size: int, device: torch.device, group: Any) -> None:
-        self.stop, self.world_size, self.device, self.group = stop, world_size, device, group
+    The flags are host values, so they travel as a host tensor on the host group (``group``): no copy to
+    the device and no wait for it, so the vote overlaps the batch the device is still computing (on the
+    training group each vote would copy the flags over and wait for the whole queue to read them back)."""
+
+    def __init__(self, stop: StopFlag, world_size: int, group: Any) -> None:
+        self.stop, self.world_size, self.group = stop, world_size, group
         self.requeue = self.terminate = False
 
     def __call__(self, has_batch: bool) -> bool | None:
         """True: evaluate this batch; False: no rank has a batch left; None: stop (abandon)."""
         flags = (float(self.stop.requeue_requested), float(self.stop.terminate_requested), float(has_batch))
         if self.world_size > 1:
-            agreed = torch.tensor(flags, device=self.device)
+            agreed = torch.tensor(flags)  # host memory
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
             flags = tuple(agreed.tolist())
         self.requeue, self.terminate = flags[0] > 0, flags[1] > 0
@@ -61,7 +64,7 @@ class Evaluations:
     def __init__(self, t: Training, stop: StopFlag) -> None:
         run = t.run
         self.t, self.section = t, run.cfg.eval
-        self.vote = EvalVote(stop, run.world_size, run.device, run.groups.train)
+        self.vote = EvalVote(stop, run.world_size, run.groups.host)
 
     def due(self, end_of_epoch: bool) -> bool:
         """Whether the state after this step is evaluated: at an epoch's end, and every ``eval.every_steps``."""

@@ -147,10 +147,21 @@ def take_rank0_buffers(model: nn.Module, world_size: int, group: Any) -> None:
     Each rank's running statistics evolve on its own batches; rank 0's are the model's, whatever the
     strategy: every rank takes them before an evaluation, and before a sharded save (``Sharded.capture``),
     so that the one copy a checkpoint keeps is rank 0's and a resumed run's ranks start where the run left
-    alone stands (under ddp rank 0 writes the whole file itself)."""
-    if world_size > 1:
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0, group=group)
+    alone stands (under ddp rank 0 writes the whole file itself).
+
+    One broadcast per dtype (and device), of the buffers laid end to end: a collective per buffer would be
+    about 60 for resnet18's batch norms, each a round trip of its own."""
+    if world_size == 1:
+        return
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        kinds.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    for same in kinds.values():
+        flat = torch.cat([buffer.detach().reshape(-1) for buffer in same])
+        dist.broadcast(flat, src=0, group=group)
+        parts = flat.split([buffer.numel() for buffer in same])
+        with torch.no_grad():  # one launch for the copies too
+            torch._foreach_copy_(same, [part.view_as(buffer) for buffer, part in zip(same, parts)])
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
