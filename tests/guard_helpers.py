@@ -4,7 +4,9 @@
 by ``poison.ids`` multiply their rank's loss by 1e6: bad data, the same every time it is trained on.
 ``poison.fault_rank`` / ``poison.fault_call`` multiply that rank's loss at its N-th training step of the
 process once only: a fault a replay does not reproduce. ``poison.record`` writes the sample ids each rank
-trains on (``global_batches`` reads them back).
+trains on (``global_batches`` reads them back). ``poison.noise`` makes every backward nondeterministic.
+``PoisonOnFakeGpu`` (``write_poison_task(..., fake_sync_debug=True)``) runs it in a process that stands in for
+a GPU under DDP_SLURM_SYNC_DEBUG=error.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class PoisonSection:
     """Seconds each training step sleeps (a run slow enough for a signal to land mid-run)."""
     record: bool = False
     """Each training micro-batch appends its sample ids, one line, to ``<run dir>/ids/<world size>-<rank>.txt``."""
+    noise: float = 0.0
+    """Every rank's gradients get noise of this scale from an unseeded generator, the loss unchanged to the
+    bit: a nondeterministic backward (atomics, cuDNN's weight gradients on a GPU), in every pass."""
 
 
 @dataclass
@@ -82,6 +87,12 @@ class Poison(Task):
             loss = loss * torch.where(torch.isin(idx, self.ids).any(), 1e6, 1.0)
         self.calls += 1
         p = self.config.poison
+        if p.noise and model.training:
+            if not hasattr(self, "entropy"):  # unseeded: a replay never draws the same noise
+                self.entropy = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+            w = next(model.parameters())
+            kick = (w * torch.randn(w.shape, generator=self.entropy) * p.noise).sum()
+            loss = loss + (kick - kick.detach())  # + 0.0 exactly: only the gradients differ
         if self.calls == p.signal_call and not os.path.exists("signalled"):  # once per run directory's cwd
             open("signalled", "w").close()
             os.kill(os.getpid(), signal.SIGUSR2)
@@ -98,6 +109,52 @@ class Poison(Task):
         return {"loss": F.cross_entropy(model(x), y, reduction="none")}
 '''
 
+FAKE_SYNC_DEBUG = '''
+
+from ddp_slurm.train import window
+from ddp_slurm.train.checkpoint import checkpointer
+from ddp_slurm.train.guard import replay
+from ddp_slurm.train.hooks import syncdebug
+
+
+class PoisonOnFakeGpu(Poison):
+    """``Poison`` in a process that stands in for a GPU under DDP_SLURM_SYNC_DEBUG (there is none here nor in
+    CI): torch.cuda's sync debug mode is held in this process, the watch is on although the device is the
+    CPU, and while the mode is "error" the calls that wait for the device on a GPU raise torch's error: the
+    guard's rollback (a checkpoint loaded into the device's tensors), its verdict (the traces read) and a
+    log line's read of the loss window (steady steps call none of them)."""
+
+    installed = False  # the process may make the task more than once: the stand-in goes in once
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        if not PoisonOnFakeGpu.installed:
+            PoisonOnFakeGpu.installed = True
+            self.install()
+
+    @staticmethod
+    def install():
+        mode = [0]
+        names = {"default": 0, "warn": 1, "error": 2}
+        torch.cuda.set_sync_debug_mode = lambda m: mode.__setitem__(0, names.get(m, m))
+        torch.cuda.get_sync_debug_mode = lambda: mode[0]
+        syncdebug.SyncWatch.from_environ = classmethod(
+            lambda cls, environ, device, first: cls(syncdebug.mode_from(environ), first)
+        )
+
+        def syncing(call):
+            def guarded(*args, **kwargs):
+                if mode[0] == 2:
+                    raise RuntimeError(f"called a synchronizing CUDA operation ({call.__qualname__})")
+                return call(*args, **kwargs)
+
+            return guarded
+
+        checkpointer.Checkpointer.go_back = syncing(checkpointer.Checkpointer.go_back)
+        replay.Trace.values = syncing(replay.Trace.values)
+        window.LossWindow.close = syncing(window.LossWindow.close)
+'''
+
 GUARDED = [
     "task=poison_task.py:Poison",
     "train.epochs=2",
@@ -112,9 +169,10 @@ GUARDED = [
 """16 steps per epoch, 32 in all; a checkpoint every 5 steps; the guard on, judging spikes from step 6."""
 
 
-def write_poison_task(folder: Path) -> Path:
+def write_poison_task(folder: Path, fake_sync_debug: bool = False) -> Path:
+    """``poison_task.py`` in ``folder``; with ``fake_sync_debug``, with ``PoisonOnFakeGpu`` too."""
     path = folder / "poison_task.py"
-    path.write_text(POISON_TASK)
+    path.write_text(POISON_TASK + (FAKE_SYNC_DEBUG if fake_sync_debug else ""))
     return path
 
 

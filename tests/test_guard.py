@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Launcher
+from conftest import Launcher, base_env
 from guard_helpers import GUARDED, same_weights, write_poison_task
 from helpers import resume
 
@@ -73,6 +74,9 @@ def test_the_verdict_names_the_rank_whose_own_loss_differs_first() -> None:
     assert replay.judge(faulty) == (False, [1], 12)
     exchange = [{"rank": 0, "loss_at": None, "grad_at": 7}, {"rank": 1, "loss_at": None, "grad_at": 7}]
     assert replay.judge(exchange) == (False, [0, 1], 7)
+    # every rank of several named: nobody to blame (a nondeterministic kernel); one rank of one is to blame
+    assert replay.nobody_to_blame([0, 1], 2) and not replay.nobody_to_blame([1], 2)
+    assert not replay.nobody_to_blame([0], 1)
 
 
 def test_traces_compare_bit_for_bit() -> None:
@@ -119,19 +123,45 @@ def rows(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def train(cwd: Path, nproc: int, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+def train(
+    cwd: Path, nproc: int, *overrides: str, check: bool = True, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     launcher = Launcher(cwd)
     cmd = launcher.cmd_train(*overrides) if nproc == 1 else launcher.cmd_torchrun(nproc, *overrides)
-    return launcher.run(cmd, check=check)
+    return launcher.run(cmd, check=check, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 1-rank guarded run through sample 300, hit at step 9 (epoch 1) and step 18 (epoch 2); a CSV logger."""
+    """A 1-rank guarded run through sample 300, hit at step 9 (epoch 1) and step 18 (epoch 2); a CSV logger.
+    It runs under DDP_SLURM_SYNC_DEBUG=error in a process that stands in for a GPU (``PoisonOnFakeGpu``: the
+    same training, with the calls that wait for a GPU raising while the watch is on); its log is kept in
+    ``poisoned.log``."""
     cwd = tmp_path_factory.mktemp("guard")
-    write_poison_task(cwd)
-    train(cwd, 1, *GUARDED, "poison.ids=300", "log.csv=true", "run.name=poisoned")
+    write_poison_task(cwd, fake_sync_debug=True)
+    res = train(
+        cwd,
+        1,
+        *GUARDED,
+        "task=poison_task.py:PoisonOnFakeGpu",
+        "poison.ids=300",
+        "log.csv=true",
+        "run.name=poisoned",
+        env=base_env(DDP_SLURM_SYNC_DEBUG="error"),
+    )
+    (cwd / "poisoned.log").write_text(res.stderr)
     return cwd
+
+
+def test_rollbacks_and_verdicts_under_sync_debug_error_wait_only_with_the_watch_paused(poisoned: Path) -> None:
+    """Two rollbacks, two verdicts and the log lines after them, with the watch on for the steady steps
+    around them (from the 3rd step of the launch, and again 3 steps after each step gone back to): none
+    raised a sync-debug error, and the watch says how many steps it watched."""
+    log = (poisoned / "poisoned.log").read_text()
+    assert "synchronizing CUDA operation" not in log and "Traceback" not in log, log[-3000:]
+    [watched] = re.findall(r"DDP_SLURM_SYNC_DEBUG=error: (\d+) steady steps ran without a host sync", log)
+    # 32 steps, 2 skipped, 4 + 2 replayed; watched from step 3 of the launch and of each pass after a move
+    assert 20 <= int(watched) <= 32, log[-3000:]
 
 
 def test_the_loggers_get_every_rollback_verdict_and_skip(poisoned: Path) -> None:
@@ -175,6 +205,36 @@ def test_a_fault_that_a_replay_does_not_reproduce_names_the_rank_and_skips_nothi
     assert (run_dir / "lost_nodes").read_text().startswith(f"{host}\t")
     # the replay is sound: the run ends where one without the fault does
     assert same_weights(run_dir, tmp_path / "runs" / "clean")
+
+
+def test_a_replay_that_differs_on_every_rank_blames_no_node(tmp_path: Path) -> None:
+    """A nondeterministic backward (``poison.noise``: every rank's gradients vary from pass to pass, as
+    atomics and cuDNN's weight gradients do on a GPU with train.deterministic off) at 2 ranks: every replay
+    differs on both ranks, so no host goes to lost_nodes and each verdict says why, naming
+    train.deterministic=true. The bad data at step 9 is flagged again by its replay: skipped. A one-shot
+    fault of rank 1 (its 21st step: step 13) is not flagged again: training goes on from the replay."""
+    write_poison_task(tmp_path)
+    res = train(
+        tmp_path,
+        2,
+        *GUARDED,
+        "train.epochs=1",
+        "poison.ids=300",
+        "poison.noise=1e-3",
+        "poison.fault_rank=1",
+        "poison.fault_call=21",  # steps 1-10 (9 is flagged a step late), its replay 6-9, 6-8 and 10-13
+        "run.name=nd",
+        timeout=300,  # a replay judged again and again would roll back to step 9 for ever
+    )
+    run_dir = tmp_path / "runs" / "nd"
+    assert [(r["step"], r["to"]) for r in rows(run_dir, "rollback")] == [(9, 5), (13, 10)]
+    data, fault = rows(run_dir, "replay")
+    assert (data["verdict"], data["exact"], data["first"] != data["replay"]) == ("reproduced", False, True)
+    assert (fault["verdict"], fault["ranks"], fault["hosts"]) == (replay.NONDETERMINISTIC, [0, 1], [])
+    assert [r["steps"] for r in rows(run_dir, "skip")] == [[9, 9]]
+    assert not (run_dir / "lost_nodes").exists()
+    assert res.stderr.count("set train.deterministic=true so that a replay can tell bad data from a fault") == 2
+    assert "the replay did not reproduce step 13 on any rank" in res.stderr, res.stderr[-3000:]
 
 
 def test_skipped_steps_outlive_the_launch_at_another_world_size(tmp_path: Path) -> None:

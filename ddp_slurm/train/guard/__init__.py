@@ -16,7 +16,12 @@ it only stops the run on a non-finite loss (exit 1), as before; otherwise:
 4. **Verdict**: reproduced: the data did it; its steps are skipped (``skips.py``) and the run goes back
    once more and trains on without them. Not reproduced: a fault; the rank that computed differently is
    named with its host, the host is recorded in ``lost_nodes`` (kept out of the next requeue or submit),
-   and training goes on from the replay, which is sound.
+   and training goes on from the replay, which is sound. Where every rank of several computed differently,
+   no node is to blame (a nondeterministic kernel: ``train.deterministic`` is off): no host is recorded, the
+   line says so and how to make a replay conclusive.
+
+The rollback and the verdict wait for the device at a step that is not a boundary: they run with the
+sync-debug watch paused (``hooks/syncdebug.py``), and the hooks start again after them.
 
 Each rollback, verdict and skip is a log line, a metrics.jsonl line (``report`` draws them) and a line of
 ``<run dir>/guard.jsonl`` (``record.py``); skipped steps and the rollback count are in every checkpoint.
@@ -35,6 +40,7 @@ from ddp_slurm.skips import Skips
 from ddp_slurm.slurmjob import badnodes
 from ddp_slurm.train.checkpoint.state import gather
 from ddp_slurm.train.guard import record, replay, spike
+from ddp_slurm.train.hooks import syncdebug
 
 log = logging.getLogger("ddp_slurm")
 
@@ -103,12 +109,22 @@ class Guard:
                 flagged = (step, why)
         if bad and (flagged is None or self.votes.bad_step <= flagged[0]):
             flagged = (self.votes.bad_step, self.votes.bad.replace(f" at step {self.votes.bad_step}", ""))
-        if self.replay is not None:  # a replay judges by its records, not by its flags
-            return self._verdict() if pos.step >= self.replay.end else None
-        return self._roll_back(*flagged) if flagged is not None else None
+        if self.replay is not None and pos.step < self.replay.end:  # a replay judges by its records, not flags
+            return None
+        if self.replay is None and flagged is None:
+            return None
+        # Not a boundary: the sync-debug watch is on, and the rollback (a checkpoint loaded) and the verdict
+        # (the traces read) wait for the device. The hooks' start comes after, the watch as it should be.
+        with syncdebug.paused(self.side):
+            if self.replay is not None:
+                moved = self._verdict(again=flagged is not None and flagged[0] == self.replay.end)
+            else:
+                assert flagged is not None
+                moved = self._roll_back(*flagged)
+        return self._batches() if moved else None
 
     # -- rollback, replay, verdict --------------------------------------------------------------
-    def _roll_back(self, step: int, why: str) -> Iterator[Any]:
+    def _roll_back(self, step: int, why: str) -> bool:
         window = (max(1, step - self.cfg.suspect_steps + 1), step)
         used = self.state["rollbacks"]
         again = step in self.flagged  # flagged before this launch, its replay cut short by a stop: the same one
@@ -133,11 +149,14 @@ class Guard:
         self._line("rollback", step, to=to, why=why, suspect=list(window), rollback=number)
         first = self.trace.since(to) if self.trace is not None else replay.Trace()
         self.replay = _Replay(step, window, first)
-        return self._batches()
+        return True
 
-    def _verdict(self) -> Iterator[Any] | None:
+    def _verdict(self, again: bool) -> bool:
+        """The replay judged on every rank; whether the run went back again (bad data: to skip it).
+        ``again``: the replay's own flags already flagged its last step."""
         run, rp = self.t.run, self.replay
         assert rp is not None
+        again = self._flagged_at_end(rp.end) or again
         mine = replay.compare(rp.first, rp.trace) | {"rank": run.rank, "host": badnodes.host_name()}
         reports = gather(mine, run.rank, run.world_size, run.groups.host)
         reproduced, named, at = on_rank0(run.env, lambda: replay.judge(reports), run.groups.host)
@@ -145,22 +164,38 @@ class Guard:
         digests = {"first": mine["first"], "replay": mine["replay"], "steps": mine["steps"]}
         self.replay = None
         first, last = rp.window
-        if reproduced:
+        # Every rank of several differs: no node explains it, a nondeterministic kernel does. The replay's own
+        # flag decides then: flagged again, the data (skipped); not flagged, a passing fault nobody is blamed for.
+        nobody = not reproduced and replay.nobody_to_blame(named, run.world_size)
+        if reproduced or (nobody and again):
             self.skips.add([rp.window])
             g = run.cfg.train.global_batch_size
             self._say(
-                "guard: the replay reproduced step %d: the data of %s is bad (samples %d-%d of the data order); "
+                "guard: the replay %s step %d%s: the data of %s is bad (samples %d-%d of the data order); "
                 "skipping it and going back again",
+                "reproduced" if reproduced else "flagged",
                 rp.end,
+                "" if reproduced else f" again, though every rank computed differently ({NONDETERMINISM})",
                 _steps(rp.window),
                 (first - 1) * g,
                 last * g - 1,
             )
-            self._line("replay", rp.end, verdict="reproduced", suspect=list(rp.window), **digests)
+            self._line("replay", rp.end, verdict="reproduced", exact=reproduced, suspect=list(rp.window), **digests)
             self._line("skip", rp.end, steps=[first, last], samples=[(first - 1) * g, last * g])
             self.trace = replay.Trace()
             self._go_back(first, self.state["rollbacks"])
-            return self._batches()
+            return True
+        self.trace = rp.trace
+        if nobody:
+            self._say(
+                "guard: the replay did not reproduce step %d on any rank: every rank computed differently at "
+                "step %s, which no node explains (%s); no host recorded, training goes on from the replay",
+                rp.end,
+                at,
+                NONDETERMINISM,
+            )
+            self._line("replay", rp.end, verdict=replay.NONDETERMINISTIC, ranks=named, hosts=[], at=at, **digests)
+            return False
         who = ", ".join(f"rank {r} (host {h})" for r, h in zip(named, hosts))
         self._say(
             "guard: the replay did not reproduce step %d: %s computed differently at step %s: a fault, not the "
@@ -175,8 +210,21 @@ class Guard:
             why = f"guard: step {rp.end} not reproduced by a replay; rank(s) {named} computed differently at step {at}"
             env = run.env
             badnodes.record(run.cfg.run_dir, hosts, env.job_id, env.restart_count, why, shared=run.cfg.run.shared)
-        self.trace = rp.trace
-        return None
+        return False
+
+    def _flagged_at_end(self, end: int) -> bool:
+        """Whether the replay flagged its last step (a spike, a non-finite loss). The vote carries that step's
+        loss one step late: it is waited for and judged here, so that it is not judged again after the
+        verdict (a replay that flagged the step again would roll back to it for ever)."""
+        votes, flagged = self.votes, False
+        votes.settle()
+        for step, value in list(votes.losses):
+            why = spike.observe(self.state, value, self.cfg.spike, self.cfg.warmup, self.cfg.window)
+            flagged = flagged or (bool(why) and step == end)
+        flagged = flagged or (bool(votes.bad) and votes.bad_step == end)
+        votes.losses.clear()
+        votes.bad = ""
+        return flagged
 
     def _go_back(self, before: int, rollbacks: int) -> int:
         """Every rank: the newest checkpoint before step ``before``, restored; the guard's skipped steps and
@@ -210,6 +258,11 @@ class Guard:
         t.metrics.write(kind, step, t.run.pos.epoch, t.elapsed(), **fields)
         if kind in ("rollback", "skip") and t.run.rank == 0:
             record.append(t.run.cfg.paths, kind, step=step, **fields)
+
+
+NONDETERMINISM = (
+    "a nondeterministic kernel does that: set train.deterministic=true so that a replay can tell bad data from a fault"
+)
 
 
 def _steps(window: tuple[int, int]) -> str:

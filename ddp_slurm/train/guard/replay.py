@@ -9,7 +9,10 @@ digests travel to rank 0 as the evidence):
 
 - every rank's records equal: the spike **reproduced**, the data did it, and its steps are skipped;
 - some differ: **not reproduced**, a fault. The rank named is the one whose own loss differs first (a rank
-  computing wrongly); where only gradients differ, those ranks are named (the exchange between ranks).
+  computing wrongly); where only gradients differ, those ranks are named (the exchange between ranks);
+- every rank of several differs (``nobody_to_blame``): no node explains that. A nondeterministic kernel does
+  (atomics, cuDNN's weight gradients, with ``train.deterministic`` off): after DDP's all-reduce the gradients
+  of every rank differ. The verdict names no host.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import xxhash
 from torch import nn
 
+NONDETERMINISTIC = "not reproduced on any rank"  # the replay line's verdict when every rank differs
 LIMIT = 10_000  # steps a trace keeps (two small tensors each, on the device): docs/guard.md, "Limits"
 
 
@@ -91,3 +95,8 @@ def judge(reports: list[dict[str, Any]]) -> tuple[bool, list[int], int | None]:
     if not named:
         named = [r["rank"] for r in reports if r["grad_at"] == at]
     return False, named, at
+
+
+def nobody_to_blame(named: list[int], world_size: int) -> bool:
+    """Whether the verdict names every rank of several: nothing to blame on a node (``judge``'s ranks)."""
+    return world_size > 1 and set(named) >= set(range(world_size))
