@@ -7,15 +7,15 @@ switches ``torch.cuda.set_sync_debug_mode`` on from the ``WARMUP_STEPS``-th step
 steps allocate and set up) and off around each boundary, so that ``error`` turns any synchronising
 call inside a steady step into an exception naming it (tests/test_gpu_path.py runs the real loop so).
 The number of steps it watched is logged at the end, so a check can tell that it was on at all.
-Without CUDA, or unset, it does nothing.
+Without CUDA, or unset, it does nothing. A value other than ``warn`` or ``error`` is refused at start-up
+with the config's checks (``mode_from``, called by ``train.entry``: exit 2 before the run directory
+exists), on CPU too.
 
 Torch's mode always follows the watch's flag (``SyncWatch._apply``): on while the watch is on and not
 paused, off otherwise. The guard's rollback and verdict (train/guard/) wait for the device (a checkpoint
 loaded, the traces read) at a step that is not a boundary: they run inside ``paused``, which sets the mode
 aside and puts it back as the flag says; a rollback's ``start`` begins a new warm-up with the watch off,
-both flag and mode, so that the next log line does not run under "error" with the flag saying off. A value other than ``warn`` or ``error`` is refused at start-up
-with the config's checks (``mode_from``, called by ``train.entry``: exit 2 before the run directory
-exists), on CPU too.
+both flag and mode, so that the next log line does not run under "error" with the flag saying off.
 """
 
 from __future__ import annotations
@@ -139,5 +139,5 @@ class SyncDebug(Hook):
 def paused(hooks: Any) -> contextlib.AbstractContextManager[None]:
     """The watch among ``hooks`` (a ``Hooks``) set aside while the host waits for the device at a step that
     is not a boundary (the guard's rollback and verdict); nothing without one."""
-    watch = next((h for h in getattr(hooks, "hooks", []) if isinstance(h, SyncDebug)), None)
-    return watch.paused() if watch is not None else contextlib.nullcontext()
+    hook = next((h for h in getattr(hooks, "hooks", []) if isinstance(h, SyncDebug)), None)
+    return hook.paused() if hook is not None else contextlib.nullcontext()
