@@ -97,10 +97,11 @@ elif [ ! -f "$CONFIG" ]; then
     exit 2
 fi
 
-# If a collective hangs, NCCL's watchdog ends the job after dist.timeout_s: these make each rank first
-# dump its flight recorder (its last collectives: which were issued, which completed) to
-# nccl-traces/<job>.<restart>-rank<N> in the submit directory, the evidence of who stopped where.
-# Values already set in the environment win; CPU (gloo) jobs ignore them.
+# When a rank is lost or stuck, each rank left dumps its flight recorder (its last collectives: which were
+# issued, which completed; gloo's too) with the verdict, its last step and where its training stood, to
+# nccl-traces/<job>.<restart>-rank<N> in the submit directory (<job>.<restart>.<K>-rank<N> for the K-th
+# relaunch inside the allocation), the evidence of who stopped where; NCCL's own watchdog writes the same
+# file when a collective hangs until dist.timeout_s. Values already set in the environment win.
 export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$PWD/nccl-traces/${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}-rank}

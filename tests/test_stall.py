@@ -9,6 +9,7 @@ to under NCCL, whose own watchdog would otherwise end them at the timeout withou
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import socket
@@ -28,8 +29,11 @@ from ddp_slurm.distributed.watchdog import Watchdog
 HOST = socket.gethostname()
 
 
-def pack(world: int, stalling: list[int], stall_s: float = 0.6) -> tuple[list[Watchdog], dict[int, tuple[str, int]]]:
-    """Watchdogs for ``world`` ranks; those in ``stalling`` run the check, recording instead of exiting."""
+def pack(
+    world: int, stalling: list[int], stall_s: float = 0.6, before_exit: Any = None
+) -> tuple[list[Watchdog], dict[int, tuple[str, int]]]:
+    """Watchdogs for ``world`` ranks; those in ``stalling`` run the check, recording instead of exiting
+    (``before_exit(rank, error)``: what runs before that)."""
     import torch.distributed as dist
 
     store = dist.HashStore()
@@ -40,7 +44,10 @@ def pack(world: int, stalling: list[int], stall_s: float = 0.6) -> tuple[list[Wa
     ]
     for r in stalling:
         dogs[r].after_beat = stall.StallCheck(
-            dogs[r], stall_s, lambda error, n, r=r: ended.setdefault(r, (str(error), n))
+            dogs[r],
+            stall_s,
+            lambda error, n, r=r: ended.setdefault(r, (str(error), n)),
+            (lambda error, r=r: before_exit(r, error)) if before_exit else None,
         )
     for dog in dogs:
         dog.start()
@@ -80,6 +87,93 @@ def test_a_lost_rank_is_named_by_every_waiting_rank() -> None:
             rf"lost rank 2 \(host {HOST}, pid {os.getpid()}\): no heartbeat for \d+ s; this rank waited \d+ s at step 7",
             text,
         ), text
+
+
+def test_the_lost_host_is_recorded_and_the_flight_recorder_dumped_before_the_rank_is_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: the stall check ends a rank with os._exit, so whatever must survive it happens first, in this
+    order: the record in lost_nodes (the supervisor relaunches without the host), the flight-recorder file (what
+    NCCL's watchdog would have dumped), then the end. The judging rank's file holds every rank's heartbeat."""
+    from ddp_slurm.slurmjob import badnodes
+
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "traces" / "7.0-rank"))
+    order: list[tuple[str, int]] = []
+
+    def record(rank: int, error: Exception) -> None:
+        assert not (tmp_path / "traces" / f"7.0-rank{rank}").exists()  # the record comes before the dump
+        badnodes.record(tmp_path, sorted(set(badnodes.lost(error).values())), "7", 0, str(error), rank)
+        order.append(("record", rank))
+
+    dogs, ended = pack(3, stalling=[0, 1], stall_s=60, before_exit=record)
+    for dog in dogs[:2]:
+        dog.after_beat.on_lost = lambda error, n, r=dog.rank: (order.append(("end", r)), ended.setdefault(r, n))
+    for dog in dogs:
+        dog.progress(7)
+    kill(dogs[2])
+    wait_for(ended, [0, 1])
+    for dog in dogs[:2]:
+        dog.stop()
+    assert sorted(order) == [("end", 0), ("end", 1), ("record", 0), ("record", 1)]
+    assert all(order.index(("record", r)) < order.index(("end", r)) for r in (0, 1)), order
+    lines = [line.split("\t") for line in (tmp_path / "lost_nodes").read_text().splitlines()]
+    assert sorted((f[0], f[4]) for f in lines) == [(HOST, "0"), (HOST, "1")], lines
+    dumps = {r: pickle.loads((tmp_path / "traces" / f"7.0-rank{r}").read_bytes()) for r in (0, 1)}
+    for rank, dump in dumps.items():
+        assert {"version", "entries", "pg_config"} <= set(dump), dump.keys()  # torch's analyser reads these
+        mine = dump["ddp_slurm"]
+        assert mine["rank"] == rank and mine["step"] == 7 and mine["verdict"].startswith("lost rank 2 (host "), mine
+        assert "test_stall.py" in mine["at"], mine  # where the (pretend) training thread stood
+    judges = [r for r, dump in dumps.items() if dump["ddp_slurm"]["heartbeats"]]
+    assert len(judges) == 1, dumps
+    assert set(dumps[judges[0]]["ddp_slurm"]["heartbeats"]) == {0, 1, 2} - set(judges), dumps[judges[0]]
+
+
+def test_a_lost_rank_is_named_within_seconds_whatever_the_stall_deadline() -> None:
+    """The heartbeat's verdict does not depend on how long a step may take: a rank waiting LOOK_S looks for a
+    dead heartbeat, while a live rank behind counts as stuck only at the (long) stall deadline."""
+    dogs, ended = pack(4, stalling=[0, 1], stall_s=1000)
+    for dog in dogs:
+        dog.progress(5)
+    dogs[3].progress(4)  # behind, but alive: not named before 1000 s
+    kill(dogs[2])
+    start = time.monotonic()
+    wait_for(ended, [0, 1], timeout=stall.LOOK_S + 10)
+    took = time.monotonic() - start
+    for dog in (dogs[0], dogs[1], dogs[3]):
+        dog.stop()
+    assert set(ended) == {0, 1}, ended
+    for text, count in ended.values():
+        assert count == 1 and text.startswith(f"lost rank 2 (host {HOST}") and "stuck" not in text, text
+    assert took < stall.LOOK_S + 10, took
+
+
+def test_a_rank_frozen_and_continued_names_nobody_and_judges_nobody() -> None:
+    """SIGSTOP, then Slurm's SIGCONT before it kills the step: the others named this rank and left, so every
+    heartbeat but its own is silent now. It must not record them (or the store's host) as lost."""
+    from ddp_slurm.slurmjob import badnodes
+
+    dogs, ended = pack(2, stalling=[0], stall_s=0.3)
+    dogs[0].progress(3)
+    dogs[0]._beat_at -= 9  # its heartbeat stood still for 9 s
+    error, count = dogs[0].explain(RuntimeError("Connection closed by peer [10.0.0.2]:4242"))
+    time.sleep(1.5)
+    for dog in dogs:
+        dog.stop()
+    assert count == 0 and str(error).startswith("this rank was frozen for 9 s, its heartbeat too"), error
+    assert badnodes.lost(error) == {} and ended == {}
+
+
+def test_a_published_verdict_is_the_diagnosis_of_a_rank_whose_collective_fails_before_its_heartbeat_reads_it() -> None:
+    """The ranks that left on a stall verdict close their sockets: a rank's collective may fail before its own
+    heartbeat has read the verdict. It must take that verdict, not scan and find the leavers silent too."""
+    dogs, _ = pack(4, stalling=[])
+    dogs[0]._op("set", "verdict", "1\tlost rank 2 (host node3, pid 9): no heartbeat for 8 s")
+    for r in (1, 2, 3):
+        kill(dogs[r])  # 2 vanished; 1 and 3 left on the verdict: none of them beats any more
+    error, count = dogs[0].explain(RuntimeError("Connection closed by peer [10.0.0.2]:4242"))
+    dogs[0].stop()
+    assert count == 1 and str(error).startswith("lost rank 2 (host node3, pid 9): no heartbeat for 8 s;"), error
 
 
 def test_a_rank_whose_training_thread_is_stuck_is_named_with_its_step() -> None:
@@ -146,7 +240,13 @@ RANK = textwrap.dedent("""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{env.master_port}", rank=env.rank,
                             world_size=env.world_size, timeout=timedelta(seconds=timeout))
-    with watchdog.watch(env, after_beat=stall.checker(3.0)) as dog:
+    from pathlib import Path
+    from ddp_slurm.slurmjob import badnodes
+
+    def record(error):  # what training does (chain.after_peer_lost), before the check's os._exit
+        badnodes.record(Path.cwd(), sorted(set(badnodes.lost(error).values())), "7", 0, str(error), env.rank)
+
+    with watchdog.watch(env, after_beat=stall.checker(3.0, before_exit=record)) as dog:
         for step in range(1, 1000):
             dog.progress(step)
             if env.rank == 2 and step == 20:
@@ -176,11 +276,19 @@ def start_ranks(tmp_path: Path, mode: str, timeout_s: float) -> list[subprocess.
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             PYTHONPATH=str(REPO),
+            TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "traces" / "7.0-rank"),  # as the batch scripts set it
+            TORCH_FR_BUFFER_SIZE="100",
         )
         cmd = [sys.executable, str(script), mode, str(timeout_s)]
         procs.append(
             subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+                cmd,
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
             )
         )
     return procs
@@ -203,7 +311,8 @@ def finish(procs: list[subprocess.Popen], timeout_s: float) -> tuple[dict[int, t
 
 
 def test_real_ranks_name_a_frozen_rank_long_before_the_timeout(tmp_path: Path) -> None:
-    """SIGSTOP: the whole process stops, heartbeat included: ranks 0 and 1 end with the verdict."""
+    """SIGSTOP: the whole process stops, heartbeat included: ranks 0 and 1 end with the verdict (os._exit), having
+    recorded rank 2's host in lost_nodes and dumped their flight recorder (gloo's collectives, the verdict)."""
     outs, took = finish(start_ranks(tmp_path, "frozen", 60), 50)
     for rank in (0, 1):
         code, out = outs[rank]
@@ -211,6 +320,13 @@ def test_real_ranks_name_a_frozen_rank_long_before_the_timeout(tmp_path: Path) -
         lines = [line for line in out.splitlines() if "lost rank 2 (host" in line]
         assert lines and "at step 20 (found before the backend's timeout)" in lines[0], (rank, out)
     assert took < 40, took  # gloo's own timeout is 60 s: the verdict came first
+    lines = [line.split("\t") for line in (tmp_path / "lost_nodes").read_text().splitlines()]
+    assert sorted((f[0], f[4]) for f in lines) == [(HOST, "0"), (HOST, "1")], lines
+    for rank in (0, 1):
+        dump = pickle.loads((tmp_path / "traces" / f"7.0-rank{rank}").read_bytes())
+        assert dump["ddp_slurm"]["verdict"].startswith("lost rank 2 (host ") and dump["ddp_slurm"]["step"] == 20
+        last = dump["entries"][-1]  # the all-reduce rank 2 never joined, still in flight
+        assert last["profiling_name"] == "gloo:all_reduce" and not last["retired"], last
 
 
 def test_real_ranks_say_where_a_rank_hangs_inside_a_step(tmp_path: Path) -> None:

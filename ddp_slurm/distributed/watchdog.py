@@ -71,6 +71,8 @@ class Watchdog:
         self._lock = threading.Lock()  # one connection, two threads
         self._stop = threading.Event()
         self._seq = 0
+        self._beat_at = 0.0  # monotonic time of the last beat (0: none yet)
+        self.gap = 0.0  # the longest time between two beats: a process stopped (SIGSTOP) and continued shows it
         self._rank0: str | None = None  # "host pid" of rank 0, for the message when its store is gone
         # A verdict published by another rank, picked up by this rank's heartbeat thread even while
         # its training thread is still blocked in a collective: when that one fails later, maybe
@@ -109,6 +111,10 @@ class Watchdog:
             self._progress, self.moved = step, time.monotonic()
 
     def _beat(self) -> None:
+        now = time.monotonic()
+        if self._beat_at:
+            self.gap = max(self.gap, now - self._beat_at)
+        self._beat_at = now
         self._seq += 1
         self._op("set", f"hb/{self.rank}", f"{self._seq} {time.time():.3f} {self._progress}")
 
@@ -182,6 +188,9 @@ class Watchdog:
         """How many ranks were lost, and the shared description of them ("" if every rank is alive)."""
         if self._seen is not None:
             return self._seen
+        if self._op("check", ["verdict"]):  # published (by a stall check) before this rank's heartbeat read it:
+            count, _, text = self._op("get", "verdict").decode().partition("\t")  # the ranks that left on it
+            return int(count), text  # are silent now, and a scan of its own would name them too
         if self._op("add", "diagnosing", 1) == 1:  # the first survivor scans; the others read its verdict
             lost = self._scan()
             self._op("set", "verdict", f"{len(lost)}\t{self._describe(lost)}")
@@ -202,6 +211,12 @@ class Watchdog:
         ``exc`` tells the story by itself)."""
         self.failing = True
         cause = _first_line(exc)
+        frozen = self.frozen_s()
+        if frozen >= self.grace_s:  # the others went on without this rank: whoever it would name left on its verdict
+            return PeerLost(
+                f"this rank was frozen for {frozen:.0f} s, its heartbeat too (SIGSTOP, a frozen node, a hung device): "
+                f"the other ranks have named it lost and left; its collective failed with: {cause}"
+            ), 0
         try:
             count, verdict = self._verdict()
         except Exception as store_exc:  # the store's host is gone, and with it (at least) that process
@@ -214,6 +229,12 @@ class Watchdog:
         if not count:
             return None
         return PeerLost(f"{verdict}; this rank's collective failed with: {cause}"), count
+
+    def frozen_s(self) -> float:
+        """How long this process's heartbeat once stood still (a stopped and continued process), the time since its
+        last beat included while the heartbeat thread lives (it may not have beaten yet since it was continued)."""
+        pending = time.monotonic() - self._beat_at if self._beat_at and self._thread.is_alive() else 0.0
+        return max(self.gap, pending)
 
     def _store_owner(self) -> str:
         if self.agent_store:

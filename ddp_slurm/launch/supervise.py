@@ -13,6 +13,14 @@ step ends, asks ``restarts.decide``:
 - a launch that failed before any rank started training: launched again after 2 s (``MAX_LAUNCH_RETRIES``);
 - anything else ends the job with the step's exit code, as ``srun`` alone would.
 
+A node that vanishes without a word (power loss, cut link, a hung GPU's rank frozen) keeps ``srun`` waiting
+for its tasks until Slurm's node timeout (``SlurmdTimeout``, 300 s by default), even after the survivors have
+named it (the stall check) and left. So once they have recorded such a loss in ``lost_nodes``, ``srun`` gets
+``STEP_GRACE_S`` to end by itself, and is ended here otherwise. Slurm may keep that step's remains on the
+nodes left until it gives the node up, so a relaunch asks for ``--overlap``; each launch gets a fresh
+``MASTER_PORT`` (a rank of the last launch that cannot be killed, stuck in the kernel on a hung device, may
+still hold the old one) and its own flight-recorder files (``flightrec.launch_prefix``: ``<job>.<restart>.<N>-rank``).
+
 ``sbatch/mnist_4node.sh`` runs one srun task per rank; ``sbatch/mnist_torchrun.sh`` (``--torchrun NPROC``) one
 per node, a torchrun agent starting NPROC ranks, its rendezvous on the first node of each launch. A ``submit``
 job (``--submitit``) runs submitit's own ``srun`` command through it: submit's script defines ``srun`` as a
@@ -38,13 +46,18 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm import safefs
-from ddp_slurm.distributed.env import expand_hostlist
+from ddp_slurm.distributed import flightrec
+from ddp_slurm.distributed.env import PORT_BASE, PORT_SPAN, derive_port, expand_hostlist
+from ddp_slurm.exitcodes import EXIT_FAILURE
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.slurmjob import badnodes, jobinfo, restarts, slurm
 
 log = logging.getLogger("ddp_slurm")
 
 RETRY_DELAY_S = 2.0  # a requeue revokes the job's credential with 1-second resolution
+RELAUNCH_DELAY_S = 1.0
+STEP_GRACE_S = 2.0  # survivors recorded a lost rank: what srun gets to end by itself before it is ended
+POLL_S = 0.5
 
 
 def _run_dir(train: list[str]) -> tuple[Path, Any]:
@@ -94,10 +107,67 @@ def _lost_lines(path: Path) -> list[str]:
         return []
 
 
-def _lost_since(path: Path, before: int, job: str) -> tuple[str, ...]:
-    """Hosts recorded lost by this job after the first ``before`` lines."""
+def _lost_since(path: Path, before: int, job: str, launch: str) -> tuple[str, ...]:
+    """Hosts recorded lost by this job after the first ``before`` lines, but for a late verdict of an earlier
+    launch (``launch``: this one's ``restarts.launch_label``), whose ranks may still record as this one starts."""
     fields = [line.split("\t") for line in _lost_lines(path)[before:]]
-    return tuple(sorted({f[0] for f in fields if len(f) > 1 and f[1] == job and badnodes.HOST.fullmatch(f[0])}))
+    stale = {i for i, f in enumerate(fields) if len(f) > 5 and f[2] != launch and badnodes.LEAVING.match(f[5])}
+    named = {f[0] for i, f in enumerate(fields) if len(f) > 1 and f[1] == job and i not in stale}
+    return tuple(sorted(h for h in named if badnodes.HOST.fullmatch(h)))
+
+
+def _leaving_since(path: Path, before: int, job: str, launch: str) -> tuple[str, ...]:
+    """Hosts recorded lost after the first ``before`` lines by survivors of this launch of the job (``launch``:
+    ``restarts.launch_label``) that are leaving the step (a watchdog or stall verdict; not a guard's record,
+    whose ranks train on; not a late line of an earlier launch)."""
+    fields = [line.split("\t") for line in _lost_lines(path)[before:]]
+    named = {f[0] for f in fields if len(f) > 5 and f[1:3] == [job, launch] and badnodes.LEAVING.match(f[5])}
+    return tuple(sorted(named))
+
+
+def _run_step(cmd: list[str], env: dict[str, str], lost: Path, before: int, job: str, launch: str) -> int:
+    """srun's exit status; srun ended here ``STEP_GRACE_S`` after the survivors recorded a lost rank (it
+    would wait for a vanished node's tasks until Slurm's node timeout)."""
+    proc = subprocess.Popen(cmd, env=env)
+    named_at = None
+    while True:
+        try:
+            return proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if named_at is None:
+            named_at = time.monotonic() if _leaving_since(lost, before, job, launch) else None
+        elif time.monotonic() - named_at >= STEP_GRACE_S:
+            log.warning(
+                "job %s: the survivors named %s lost and left, but srun still waits for it (Slurm notices a "
+                "silent node only after its node timeout): ending the step",
+                job,
+                ",".join(_leaving_since(lost, before, job, launch)),
+            )
+            proc.terminate()
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return EXIT_FAILURE
+
+
+def fresh_port(base: int, launch: int) -> int:
+    """The rendezvous port of the ``launch``-th srun of the job (0: ``base`` itself): another one each launch, in
+    the range ``derive_port`` uses when ``base`` is in it."""
+    if PORT_BASE <= base < PORT_BASE + PORT_SPAN:
+        return PORT_BASE + (base - PORT_BASE + launch) % PORT_SPAN
+    return base + launch if base + launch <= 65535 else base - launch
+
+
+def _base_port(job: str) -> int:
+    """The port the training's bootstrap takes in this job (``MASTER_PORT`` if exported, else derived)."""
+    given = os.environ.get("MASTER_PORT", "")
+    if given.isdigit() and 0 < int(given) <= 65535:
+        return int(given)
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return derive_port(array, task) if array and task else derive_port(job)
 
 
 def _command(train: list[str], nodes: tuple[str, ...], torchrun: int, port: int, rdzv_id: str) -> list[str]:
@@ -180,14 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     if avoid and [n for n in nodes if n not in avoid]:
         log.info("job %s: leaving out %s (slurm.exclude_slow)", job, ",".join(n for n in nodes if n in avoid))
         nodes = tuple(n for n in nodes if n not in avoid)
+    launches = 0
     while True:
         before_lost, before_starts = len(_lost_lines(paths.lost_nodes)), _starts(paths.metrics)
         env = dict(os.environ, **{restarts.STEP_RESTART: str(made)})
         if made < cfg.slurm.restarts:
             env[restarts.SUPERVISED] = me
+        if launches and not args.torchrun:  # torchrun's rendezvous takes port + made already
+            env["MASTER_PORT"] = str(fresh_port(_base_port(job), launches))
+        for name in flightrec.PREFIX_VARS:  # each launch its own traces: a relaunch must not overwrite the first's
+            if os.environ.get(name):
+                env[name] = flightrec.launch_prefix(os.environ[name], made)
         cmd = [
             "srun",
             "--kill-on-bad-exit=1",
+            # a vanished node's step may linger on the nodes left until Slurm gives the node up
+            *(["--overlap"] if made else []),
             f"--cpus-per-task={cpus}",
             f"--nodes={len(nodes)}",
             f"--ntasks={len(nodes) * tasks}",
@@ -197,12 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             *(["--open-mode=append"] if args.submitit is not None else []),
             *launch(nodes, made),
         ]
-        status = subprocess.run(cmd, env=env).returncode
+        launches += 1
+        label = restarts.launch_label(os.environ.get("SLURM_RESTART_COUNT", "0"), made)
+        status = _run_step(cmd, env, paths.lost_nodes, before_lost, job, label)
         step = restarts.Step(
             status,
             _starts(paths.metrics) > before_starts,
             nodes,
-            _lost_since(paths.lost_nodes, before_lost, job),
+            _lost_since(paths.lost_nodes, before_lost, job, label),
             _live_nodes(job),
         )
         avoid = sorted(set(avoid) | set(step.lost))
@@ -243,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.slurm.restarts,
         )
         nodes = plan.nodes
-        time.sleep(RETRY_DELAY_S)  # the failed step's credential and ports are released
+        time.sleep(RELAUNCH_DELAY_S)  # the failed step's tasks are reaped (its port is not reused: fresh_port)
 
 
 if __name__ == "__main__":

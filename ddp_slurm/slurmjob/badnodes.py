@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # The watchdog's verdict names each lost rank as "<rank> (host <name>, pid <pid>...": see watchdog._describe.
 _LOST = re.compile(r"(\d+) \(host ([^,;)\s]+)")
+# The start of the watchdog's and the stall check's verdict (PeerLost): the survivors that record it are leaving the
+# step (a guard's record is not such a line: its ranks train on).
+LEAVING = re.compile(r"(?:lost|stuck) ranks? \d+ \(host ")
 # A Slurm node name as it may go on scontrol's and sbatch's command lines: no whitespace, no shell syntax.
 HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

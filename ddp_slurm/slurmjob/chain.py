@@ -179,8 +179,7 @@ def after_peer_lost(cfg: Any, env: Any, error: BaseException) -> None:
     why = str(error).split(";")[0]
     try:  # every survivor records (the store's host lingers, and the step may end before it gets here)
         # one launch of the job: its requeue count, and which relaunch inside the allocation (supervise.py)
-        relaunch = restarts.step_restart(os.environ)
-        launch = f"{env.restart_count}.{relaunch}" if relaunch else env.restart_count
+        launch = restarts.launch_label(env.restart_count, restarts.step_restart(os.environ))
         first = badnodes.record(cfg.run_dir, hosts, env.job_id, launch, why, env.rank, cfg.run.shared)
         all_hosts = badnodes.excluded(cfg.run_dir, slow=cfg.slurm.exclude_slow) or hosts
     except (OSError, safefs.UnsafePath) as exc:  # a planted or damaged lost_nodes: this rank fails as it would

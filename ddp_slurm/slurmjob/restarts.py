@@ -112,6 +112,12 @@ def decide(
     return Plan("restart", nodes=tuple(left[:n]), why=f"lost {','.join(gone)}")
 
 
+def launch_label(restart: int | str, relaunch: int) -> str:
+    """How ``lost_nodes`` names one launch of a job: its requeue count, ``R.N`` for the Nth relaunch inside the
+    allocation."""
+    return f"{restart}.{relaunch}" if relaunch else str(restart)
+
+
 def step_restart(environ: Mapping[str, str]) -> int:
     """This step's relaunch number inside the allocation (0 outside a supervised step)."""
     value = environ.get(STEP_RESTART, "0")

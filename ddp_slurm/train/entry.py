@@ -108,10 +108,14 @@ def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> in
     try:
         with (
             group.distributed(env, cfg.dist.backend, cfg.dist.timeout_s, lambda: stop.requested) as (device, backend),
-            # names a lost or stuck rank before the backend's own timeout ends the job; an error whose
-            # message says it all (errors.Error) is this rank's own, not a lost peer
+            # names a lost or stuck rank before the backend's own timeout ends the job, and records its host
+            # before this rank exits; an error whose message says it all (errors.Error) is this rank's own
             watchdog.watch(
-                env, ignore=(errors.Error,), after_beat=stall.checker(stall.deadline_s(cfg.dist.timeout_s))
+                env,
+                ignore=(errors.Error,),
+                after_beat=stall.checker(
+                    stall.deadline_s(cfg.dist.timeout_s), before_exit=lambda lost: chain.after_peer_lost(cfg, env, lost)
+                ),
             ) as dog,
         ):
             return loop.train(cfg, task_cls, env, device, backend, stop, dog)

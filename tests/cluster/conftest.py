@@ -167,6 +167,17 @@ class SlurmCluster:
         pid = (self.state_dir / "run" / f"slurmd-{node}.pid").read_text().split()[0]
         return self.run(["nsenter", "-t", pid, "--net", "--uts", "--mount", "--", *cmd], timeout=timeout)
 
+    def power_off(self, node: str) -> None:
+        """``node`` vanishes as a power loss makes it: its link cut, then everything in it killed (slurmd too), so
+        no FIN or RST reaches its peers, and Slurm notices only after ``SlurmdTimeout``."""
+        res = _cluster_cmd("power-off", node, timeout=60)
+        assert res.returncode == 0, res.stderr
+
+    def power_on(self, node: str) -> None:
+        """``node`` back after ``power_off``: link up, slurmd started, usable again."""
+        res = _cluster_cmd("power-on", node, timeout=120)
+        assert res.returncode == 0, res.stderr
+
     def cancel_all(self) -> None:
         """Cancel every job on the cluster (clean-up after a failed test, so later tests find free nodes)."""
         ids = self.run(["squeue", "-h", "-o", "%i"], timeout=30).stdout.split()

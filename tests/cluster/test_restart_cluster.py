@@ -17,6 +17,15 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
            (Slurm 22.05 starts a range on its MIN when MIN nodes are free, even with more idle: ``--nodes=2-4``
            would start on 2 here.)
 
+``silent`` 4 nodes x 1 rank, the poison task recording its batches, dist.timeout_s left at 300 s: failures shaped
+           like NCCL's, which no socket reports. Rank 1 is frozen (SIGSTOP): the survivors' stall check names it,
+           records its node in lost_nodes before it exits, writes its flight-recorder file, and the supervisor
+           relaunches on 3 nodes. Then the relaunch's rank 1 node is powered off (link cut, then everything in it
+           killed: no FIN, no RST; nobody sets it DOWN): named and recorded the same way, and the supervisor ends the
+           step that srun would keep waiting for until Slurm's node timeout, and relaunches on 2 nodes. Restarts=0;
+           the global batches equal those of the run left alone (``reference``); each launch a fresh MASTER_PORT
+           and its own trace files.
+
 ``torchrun`` sbatch/mnist_torchrun.sh on 3 nodes (one agent each, one rank per agent): node3 set DOWN mid-run;
            the agents are launched again on node1 and node2 with a fresh rendezvous, world size 2, to the end.
 
@@ -27,7 +36,7 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
            (cgroup v1 ``cpu.cfs_quota_us``); within ``slurm.slow_windows=3`` log windows it is named with its
            host: a warning, a ``slow`` line, ``slow_nodes``. The ``drained`` run beside it (quiet) names nobody.
 
-``down``, ``drained``, ``torchrun`` and ``submitted`` run first, one at a time (a DOWN node ends every job's step on
+``down``, ``drained``, ``silent``, ``torchrun`` and ``submitted`` run first, one at a time (a DOWN node ends every job's step on
 it); then ``spare``, ``capped`` and ``slowed`` together.
 Every rank has one CPU, so runs are bit-for-bit repeatable.
 """
@@ -35,8 +44,11 @@ Every rank has one CPU, so runs are bit-for-bit repeatable.
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,7 +73,9 @@ from guard_helpers import global_batches, same_weights, write_poison_task
 from helpers import resume
 
 from ddp_slurm.bootstrap import expand_hostlist
+from ddp_slurm.distributed import stall
 from ddp_slurm.slurmjob import badnodes
+from ddp_slurm.train import checkpoint
 
 pytestmark = pytest.mark.cluster
 
@@ -108,6 +122,7 @@ RANGED = [
     "train.global_batch_size=48",
     "train.micro_batch_size=4",  # 4 ranks: 3 micro-batches per step; 3 ranks: 4; 2 ranks: 6
     "train.log_every_steps=1",
+    "poison.size=4800",  # 100 steps: room for two faults and two relaunches (silent)
 ]
 
 
@@ -125,6 +140,44 @@ def run_drained(d: Driver) -> dict[str, Any]:
         d.cluster.run(["scontrol", "update", "NodeName=node2", "State=RESUME"], timeout=30)
     d.finish(job)
     return {"job": job, "during": during}
+
+
+def relaunched(d: Driver, job: Job, starts: int, fault: float) -> float:
+    """Seconds from ``fault`` (monotonic) until the ``starts``-th launch trains."""
+    d.wait_for(job, f"launch {starts}", lambda: len(job.rows("start")) == starts)
+    d.wait_for(job, "training again", lambda: job.rows()[-1]["kind"] == "train")
+    return time.monotonic() - fault
+
+
+def run_silent(d: Driver) -> dict[str, Any]:
+    write_poison_task(d.workdir)
+    job = Job("silent", d.workdir)
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *RANGED, "poison.sleep=0.01"]
+    args += [f"checkpoint.every_steps={EVERY}", "checkpoint.keep=100"]  # dist.timeout_s: the default, 300 s
+    d.submit(job, ["--nodes=4", *ONE_PER_NODE, str(REPO / "sbatch" / "mnist_4node.sh"), *args])
+    out: dict[str, Any] = {"job": job}
+    vanished = ""
+    try:
+        d.wait_for(job, "two checkpoints", lambda: len(checkpoint.list_checkpoints(job.run_dir)) >= 2)
+        pid = d.wait_for(job, "rank 1's process", lambda: training_rank(job.job_id, 1))
+        out["frozen"] = environ_of(pid).get("SLURMD_NODENAME", "?")
+        os.kill(pid, signal.SIGSTOP)  # a hung GPU's rank, or a frozen node: no heartbeat, no error, no exit
+        out["frozen_again"] = relaunched(d, job, 2, time.monotonic())
+        had = len(checkpoint.list_checkpoints(job.run_dir))
+        d.wait_for(job, "two more checkpoints", lambda: len(checkpoint.list_checkpoints(job.run_dir)) >= had + 2)
+        pid = d.wait_for(job, "the relaunch's rank 1", lambda: training_rank(job.job_id, 1))
+        vanished = out["vanished"] = environ_of(pid).get("SLURMD_NODENAME", "?")
+        d.cluster.power_off(vanished)
+        out["vanished_again"] = relaunched(d, job, 3, time.monotonic())
+        out["during"] = d.cluster.job_info(job.job_id)
+        d.wait_for(job, "the end of training", lambda: job.rows()[-1]["kind"] == "end")
+        # what an admin would do: Slurm gives the node up now, not after its node timeout (the job completes)
+        d.cluster.run(["scontrol", "update", f"NodeName={vanished}", "State=DOWN", "Reason=test"], timeout=30)
+        d.finish(job)
+    finally:
+        if vanished:
+            d.cluster.power_on(vanished)
+    return out
 
 
 def run_torchrun(d: Driver) -> dict[str, Any]:
@@ -229,7 +282,7 @@ def run_capped(d: Driver) -> dict[str, Any]:
 def scenarios(slurm_cluster, tmp_path_factory) -> dict[str, Any]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("restart"))
     try:
-        out = {"down": run_down(d), "drained": run_drained(d), "torchrun": run_torchrun(d)}
+        out = {"down": run_down(d), "drained": run_drained(d), "silent": run_silent(d), "torchrun": run_torchrun(d)}
         out["submitted"] = run_submitted(d)
         with ThreadPoolExecutor(max_workers=3, thread_name_prefix="restart-job") as pool:
             spare, capped, slowed = pool.submit(run_spare, d), pool.submit(run_capped, d), pool.submit(run_slowed, d)
@@ -310,19 +363,92 @@ def test_past_the_restart_cap_a_lost_node_requeues_the_job_without_it(scenarios)
     assert badnodes.excluded(job.run_dir) == lost, job.describe()
 
 
-def test_a_node_range_starts_on_the_nodes_free_and_keeps_every_global_batch(scenarios, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[list[int]]:
+    """The global batches of the run left alone: RANGED on 4 ranks (3 micro-batches per step), on this machine."""
+    folder = tmp_path_factory.mktemp("reference")
+    write_poison_task(folder)
+    ref = folder / "runs" / "ref"
+    cmd = Launcher(folder).cmd_torchrun(4, *RANGED, f"run.output_root={ref.parent}", "run.name=ref")
+    res = Launcher(folder).run(cmd, env=base_env(OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = global_batches(ref, 4, 3)
+    assert len(steps) == 4800 // 48 and all(len(ids) == 48 for ids in steps), [len(ids) for ids in steps]
+    return steps
+
+
+def test_a_node_range_starts_on_the_nodes_free_and_keeps_every_global_batch(scenarios, reference):
     out = scenarios["drained"]
     job = out["job"]
     assert job.info["JobState"] == "COMPLETED", job.describe()
     assert expand_hostlist(out["during"]["NodeList"]) == ["node1", "node3", "node4"], out["during"]
     [start] = job.rows("start")
     assert (start["world_size"], start["accumulate"]) == (3, 4), start
-    # The reference: the same run on 4 ranks (3 micro-batches per step), on this machine.
-    write_poison_task(tmp_path)
-    ref = tmp_path / "runs" / "ref"
-    cmd = Launcher(tmp_path).cmd_torchrun(4, *RANGED, f"run.output_root={ref.parent}", "run.name=ref")
-    res = Launcher(tmp_path).run(cmd, env=base_env(OMP_NUM_THREADS="1"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = global_batches(job.run_dir, 3, 4)
-    assert len(steps) == 512 // 48 and all(len(ids) == 48 for ids in steps), [len(ids) for ids in steps]
-    assert steps == global_batches(ref, 4, 3)
+    assert global_batches(job.run_dir, 3, 4) == reference
+
+
+def traces(job: Job, launch: str) -> dict[int, dict[str, Any]]:
+    """The flight-recorder files of one launch (``<job>.<launch>-rank<N>`` in the submit directory), by rank."""
+    found = {}
+    for path in (job.workdir / "nccl-traces").glob(f"{job.job_id}.{launch}-rank*"):
+        found[int(path.name.rpartition("-rank")[2])] = pickle.loads(path.read_bytes())
+    return found
+
+
+@pytest.mark.parametrize(
+    ("fault", "launch", "survivors"),
+    [("frozen", "0", {0, 2, 3}), ("vanished", "0.1", {0, 2})],
+    ids=["sigstop", "power_off"],
+)
+def test_a_silent_loss_is_named_recorded_and_trained_past_inside_the_allocation(
+    scenarios, fault, launch, survivors, record_property
+):
+    """Neither a frozen rank nor a vanished node says a word; the survivors name it within seconds of the fault
+    (dist.timeout_s is 300 s, Slurm's node timeout 30 s here), record its node, dump their flight recorder, and
+    the job trains again on the nodes left: same job, Restarts=0."""
+    out = scenarios["silent"]
+    job, node = out["job"], out[fault]
+    record_property("seconds_to_training_again", round(out[f"{fault}_again"], 1))
+    text = job.text()
+    assert out["during"]["JobState"] == "RUNNING" and out["during"]["Restarts"] == "0", out["during"]
+    # every survivor: by the heartbeat, before the stall deadline (a stuck rank's), long before the backend's
+    # timeout. The frozen rank may say it too: Slurm sends SIGCONT before it kills a step, and it sees the verdict.
+    either = survivors | {1}
+    lost = re.findall(
+        rf"ERROR \[rank (\d) node\d\] lost rank 1 \(host {node}, pid \d+\): no heartbeat for \d+ s; "
+        r"this rank waited (\d+) s at step \d+ \(found before the backend's timeout\)",
+        text,
+    )
+    assert survivors <= {int(r) for r, _ in lost} <= either, text
+    assert all(int(w) < stall.deadline_s(300) for _, w in lost), text
+    # recorded in lost_nodes under this launch, by each survivor before its os._exit (nothing else writes there)
+    lines = [line.split("\t") for line in (job.run_dir / "lost_nodes").read_text().splitlines()]
+    assert survivors <= {int(f[4]) for f in lines if f[0] == node and f[2] == launch} <= either, lines
+    dumped = traces(job, launch)
+    assert survivors <= set(dumped) <= either, sorted(dumped)
+    for rank, trace in dumped.items():
+        mine = trace["ddp_slurm"]
+        assert mine["rank"] == rank and mine["verdict"].startswith(f"lost rank 1 (host {node}"), mine
+        assert trace["entries"] and trace["entries"][-1]["profiling_name"].startswith("gloo:"), trace["entries"][-1:]
+    if fault == "vanished":  # srun would wait for the dead node's task until Slurm gives the node up
+        assert f"the survivors named {node} lost and left, but srun still waits for it" in text, job.describe()
+
+
+def test_after_two_silent_losses_the_run_ends_with_the_global_batches_of_the_run_left_alone(scenarios, reference):
+    out = scenarios["silent"]
+    job = out["job"]
+    assert job.info["JobState"] == "COMPLETED", job.describe()
+    assert starts(job) == [(4, 0), (3, 1), (2, 2)], job.describe()
+    assert badnodes.excluded(job.run_dir) == [out["frozen"], out["vanished"]], job.describe()
+    relaunches = re.findall(r"relaunching training inside the allocation on \d node\(s\) (\S+)", job.text())
+    assert [set(r.split(",")) for r in relaunches] == [
+        {"node1", "node2", "node3", "node4"} - {out["frozen"]},
+        {"node1", "node2", "node3", "node4"} - {out["frozen"], out["vanished"]},
+    ], relaunches
+    ports = re.findall(r"rank 0/\d joined .* process group at node\d:(\d+)", job.text())
+    assert len(ports) == 3 and len(set(ports)) == 3, ports  # each launch its own MASTER_PORT
+    # each launch's steps from its start up to the next launch's resume, as the run left alone trained them
+    first, second = (r["step"] for r in job.rows("start")[1:])
+    steps = global_batches(job.run_dir, 4, 3)[:first] + global_batches(job.run_dir, 3, 4)[: second - first]
+    steps += global_batches(job.run_dir, 2, 6)
+    assert steps == reference
