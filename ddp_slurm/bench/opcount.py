@@ -2,10 +2,10 @@
 
 Time on a shared machine drifts; the number of ops a step dispatches does not. A dispatch mode
 (``torch.utils._python_dispatch.TorchDispatchMode``) sees every aten op below autograd, and the c10d
-collectives, on CPU exactly as a GPU would receive them: each op that is not a view is a kernel launch
-there (a launch-bound model is paced by their number). Each op is attributed to the innermost
-``ddp_slurm`` frame on the Python stack (``SOURCES``: the step itself, the stop vote, the loss and norm
-windows, the guard's trace, the clock, the scaler, ...), and counted in a step only while the training
+collectives, on CPU exactly as a GPU would receive them: each op that is neither a view nor a profiler
+mark is a kernel launch there (a launch-bound model is paced by their number). Each op is attributed to
+the innermost ``ddp_slurm`` frame on the Python stack (``SOURCES``: the step itself, the stop vote, the
+loss and norm windows, the guard's trace, the clock, the scaler, ...), and counted in a step only while the training
 loop's position is inside the measured window: ``steps`` optimizer steps after the first log window,
 so the log lines in between are counted (amortised) and start-up, the final save and the exit are not.
 
@@ -27,10 +27,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+if __name__ == "__main__":  # a worker counts on CPU (see above): no GPU before torch looks for one
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from ddp_slurm.bench import common
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from ddp_slurm.bench import common  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1]  # ddp_slurm/
 OPS_STEPS = 40  # measured steps: two log windows (train.log_every_steps=20), no checkpoint (every 100)
@@ -71,6 +74,8 @@ def _kind(func: Any) -> str:
     name = str(func)
     if name.startswith("c10d."):
         return "collectives"
+    if name.startswith("profiler."):  # record_function's marks (torch's optimizers make two per step): no launch
+        return "markers"
     if name.rsplit(".", 1)[0] in HOST_READS:
         return "host_reads"
     return "views" if func.is_view else "kernels"
@@ -115,15 +120,15 @@ class OpCounter(TorchDispatchMode):
         return self.window[0] <= pos.step < self.window[1]
 
     def per_step(self, steps: int) -> dict[str, Any]:
-        """Per optimizer step: ops by kind, and kernels (ops that are not views) by source."""
+        """Per optimizer step: ops by kind, and launches (kernels, collectives, host reads) by source."""
         kinds: Counter[str] = Counter()
         sources: Counter[str] = Counter()
         for (source, kind), n in self.counts.items():
             kinds[kind] += n
-            if kind != "views":
+            if kind not in ("views", "markers"):
                 sources[source] += n
         per = lambda n: round(n / steps, 4)  # noqa: E731  (exact counts: no float noise in the figures)
-        out: dict[str, Any] = {k: per(kinds[k]) for k in ("kernels", "views", "collectives", "host_reads")}
+        out: dict[str, Any] = {k: per(kinds[k]) for k in ("kernels", "views", "markers", "collectives", "host_reads")}
         out["ops"] = per(sum(kinds.values()))
         out["launches"] = per(kinds["kernels"] + kinds["collectives"] + kinds["host_reads"])
         out["by_source"] = {s: per(n) for s, n in sorted(sources.items(), key=lambda kv: -kv[1])}
@@ -131,8 +136,11 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def count_runtime(model: str, batch: int, steps: int, root: Path, guard: bool = False) -> dict[str, Any]:
-    """This rank's ops per step in ``ddp_slurm.run`` (the bench's task), ``steps`` after the first window."""
+def count_runtime(
+    model: str, batch: int, steps: int, root: Path, guard: bool = False, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """This rank's ops per step in ``ddp_slurm.run`` (the bench's task), ``steps`` after the first window;
+    ``extra``: more overrides (``train.grad_clip=1.0``: the norm window's share)."""
     import ddp_slurm
     from ddp_slurm.bench import overhead
 
@@ -145,7 +153,8 @@ def count_runtime(model: str, batch: int, steps: int, root: Path, guard: bool = 
         f"train.max_steps={first + steps}",
         f"train.log_every_steps={first}",
         f"run.output_root={root}",
-        f"run.name=opcount{'-guard' if guard else ''}",
+        f"run.name=opcount{'-guard' if guard else ''}{len(extra) or ''}",
+        *extra,
     ]
     with OpCounter((first, first + steps)) as counter:
         code = ddp_slurm.run(overhead.LongSample, overrides)
@@ -226,7 +235,6 @@ def render_rows(counts: dict[str, Any]) -> list[list[str]]:
 if __name__ == "__main__":
     if "--worker" not in sys.argv[1:]:
         sys.exit("this module is the worker of `python -m ddp_slurm.bench overhead`; run that instead")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # counted on CPU: see the module's docstring
     from ddp_slurm.exitcodes import exit_now
 
     exit_now(worker(sys.argv[1:]))

@@ -252,7 +252,7 @@ def render_ops(c: dict[str, Any], q: dict[str, Any]) -> str:
     extra = round(w1["launches"] - bare["launches"], 4)
     notes = [
         f"world 1 adds {extra:g} launches per step to the bare loop's {bare['launches']:g} "
-        "(kernels + collectives + host reads; views launch nothing)",
+        "(kernels + collectives + host reads; views and profiler marks launch nothing)",
         "extra by source: kernels, collectives and host reads per step outside the step and its batch ('step': the "
         "model, loss, backward, optimizer and schedule, as in the bare loop)",
         "not counted: CUDA events (the slow-rank clock's 2 per step where it times the forward, train/clock.py)",
