@@ -84,6 +84,8 @@ class Poison(Task):
             with open(folder / f"{self.ctx.world_size}-{self.ctx.rank}.txt", "a") as f:
                 f.write(" ".join(str(i) for i in idx.tolist()) + "\\n")
         if len(self.ids):
+            if self.ids.device != idx.device:  # on a GPU: once, at the first step (before the sync-debug watch)
+                self.ids = self.ids.to(idx.device)
             loss = loss * torch.where(torch.isin(idx, self.ids).any(), 1e6, 1.0)
         self.calls += 1
         p = self.config.poison
@@ -91,7 +93,7 @@ class Poison(Task):
             if not hasattr(self, "entropy"):  # unseeded: a replay never draws the same noise
                 self.entropy = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
             w = next(model.parameters())
-            kick = (w * torch.randn(w.shape, generator=self.entropy) * p.noise).sum()
+            kick = (w * torch.randn(w.shape, generator=self.entropy).to(w.device) * p.noise).sum()
             loss = loss + (kick - kick.detach())  # + 0.0 exactly: only the gradients differ
         if self.calls == p.signal_call and not os.path.exists("signalled"):  # once per run directory's cwd
             open("signalled", "w").close()

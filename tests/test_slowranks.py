@@ -61,7 +61,7 @@ class FakeDevice:
 
             def elapsed_time(self, end: Event) -> float:
                 if not (self.query() and end.query()):
-                    raise RuntimeError("CUDA error: device not ready")
+                    raise RuntimeError("Both events must be completed before calculating elapsed time.")  # torch's
                 device.read.update((self.at, end.at))
                 return 2.0  # ms
 

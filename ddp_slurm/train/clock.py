@@ -54,7 +54,7 @@ class ComputeClock:
                 if len(self._events) >= LIMIT:
                     self._read(wait=False)
                     if len(self._events) >= LIMIT:  # the device LIMIT steps behind: wait for the oldest
-                        self._read_oldest()
+                        self._read_oldest(wait=True)
                 return loss
             began = time.perf_counter()
             loss = loss_of(model, batch)
@@ -66,11 +66,14 @@ class ComputeClock:
     def _read(self, wait: bool) -> None:
         """Fold the pairs the device has passed (every pair with ``wait``) into ``seconds``, oldest first."""
         while self._events and (wait or self._events[0][1].query()):
-            self._read_oldest()
+            self._read_oldest(wait)
 
-    def _read_oldest(self) -> None:
+    def _read_oldest(self, wait: bool) -> None:
+        """The oldest pair read; ``wait``: for its end first (else it has completed: ``query``). The start
+        was recorded before the end on the same stream, so it has completed too."""
         start, end = self._events.popleft()
-        end.synchronize()  # no wait once it completed; elapsed_time of an unfinished event raises
+        if wait:
+            end.synchronize()  # elapsed_time of an unfinished event raises
         self.seconds += start.elapsed_time(end) / 1000.0
 
     def reset(self) -> None:
