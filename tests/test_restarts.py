@@ -1,11 +1,28 @@
 """What follows a training step of the project's batch script (ddp_slurm/slurmjob/restarts.py), with plain
-values: a relaunch inside the allocation on the nodes left, a launch retried, or the job's end."""
+values: a relaunch inside the allocation on the nodes left, a launch retried, or the job's end; and what the
+supervisor (ddp_slurm/launch/supervise.py) gives each launch: a fresh port, its own trace files, an srun that
+does not wait for a vanished node."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from pathlib import Path
+
 from ddp_slurm import config
-from ddp_slurm.launch.supervise import _command
-from ddp_slurm.slurmjob.restarts import MAX_LAUNCH_RETRIES, Step, decide, node_count, splits_over, step_restart
+from ddp_slurm.distributed.flightrec import launch_prefix
+from ddp_slurm.exitcodes import EXIT_FAILURE
+from ddp_slurm.launch.supervise import _command, _leaving_since, _lost_since, _run_step, fresh_port
+from ddp_slurm.slurmjob.restarts import (
+    MAX_LAUNCH_RETRIES,
+    Step,
+    decide,
+    launch_label,
+    node_count,
+    splits_over,
+    step_restart,
+)
 
 FOUR = ("node1", "node2", "node3", "node4")
 
@@ -92,3 +109,57 @@ def test_under_torchrun_each_launch_has_its_own_rendezvous_on_its_first_node() -
         "job.yaml",
         "train.epochs=2",
     ]
+
+
+def test_each_launch_gets_a_fresh_rendezvous_port_and_its_own_trace_files() -> None:
+    """A rank of the last launch that cannot be killed (in the kernel on a hung device) may hold the old port; a
+    relaunch must not overwrite the first launch's flight-recorder files either."""
+    assert [fresh_port(20000 + 11998, n) for n in range(4)] == [31998, 31999, 20000, 20001]  # derive_port's range
+    assert [fresh_port(29500, n) for n in range(3)] == [29500, 29501, 29502]
+    assert fresh_port(65535, 2) == 65533
+    assert launch_prefix("/sub/nccl-traces/42.0-rank", 0) == "/sub/nccl-traces/42.0-rank"
+    assert launch_prefix("/sub/nccl-traces/42.0-rank", 2) == "/sub/nccl-traces/42.0.2-rank"
+    assert launch_prefix("/tmp/nccl_trace_rank_", 1) == "/tmp/nccl_trace_rank_.1-"
+    assert launch_label(0, 0) == "0" and launch_label(1, 2) == "1.2"
+
+
+def lost_file(tmp_path: Path, *lines: tuple[str, ...]) -> Path:
+    path = tmp_path / "lost_nodes"
+    path.write_text("".join("\t".join(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_late_verdict_of_the_last_launch_or_a_guard_record_is_not_this_launch_leaving(tmp_path: Path) -> None:
+    verdict = "lost rank 2 (host node3, pid 9): no heartbeat for 8 s"
+    path = lost_file(
+        tmp_path,
+        ("node3", "42", "0", "T", "0", verdict),  # launch 0's survivors, late
+        ("node2", "42", "0", "T", "1", "guard: step 9 not reproduced by a replay; rank(s) [1] computed differently"),
+        ("node4", "42", "0.1", "T", "0", verdict.replace("node3", "node4")),
+        ("node1", "7", "0.1", "T", "0", verdict.replace("node3", "node1")),  # another job sharing the run
+    )
+    assert _leaving_since(path, 0, "42", "0.1") == ("node4",)
+    assert _leaving_since(path, 0, "42", "0") == ("node3",)
+    assert _lost_since(path, 0, "42", "0.1") == ("node2", "node4")  # the guard's record counts, the late one not
+    assert _lost_since(path, 3, "42", "0.1") == ()
+
+
+def test_an_srun_left_waiting_for_a_vanished_node_is_ended_once_the_survivors_recorded_it(tmp_path: Path) -> None:
+    """srun waits for a silent node's tasks until Slurm's node timeout; the supervisor ends it STEP_GRACE_S after
+    this launch's survivors recorded the loss. Stand-ins for srun: one that would wait 60 s, one that ends."""
+    path = lost_file(tmp_path, ("node1", "42", "0", "T", "0", "lost rank 1 (host node1, pid 9): no heartbeat"))
+    # a line of another launch ends nothing: the step's own status
+    assert _run_step(["sh", "-c", "sleep 1; exit 5"], dict(os.environ), path, 0, "42", "0.1") == 5
+
+    def survivors_record() -> None:
+        time.sleep(1)
+        with path.open("a") as f:
+            f.write("node3\t42\t0.1\tT\t0\tlost rank 2 (host node3, pid 9): no heartbeat for 8 s\n")
+
+    writer = threading.Thread(target=survivors_record)
+    start = time.monotonic()
+    writer.start()
+    status = _run_step(["sleep", "60"], dict(os.environ), path, 1, "42", "0.1")
+    took = time.monotonic() - start
+    writer.join()
+    assert status == EXIT_FAILURE and took < 30, (status, took)  # ended, not waited for

@@ -5,7 +5,7 @@ Why: the batch scripts promise a file per rank (``TORCH_NCCL_DEBUG_INFO_TEMP_FIL
 stopped where. torch writes it only when NCCL's own watchdog fires at ``dist.timeout_s``; the stall check
 ends a waiting rank long before that (``os._exit``: no Python handler, no torch dump). So the rank writes
 it itself, just before it exits, in torch's own format (a pickled dict that torch's analyser
-``python -m torch.distributed.flight_recorder.fr_trace -j DIR`` reads: ``version``, ``entries``,
+``python -m torch.distributed.flight_recorder.fr_trace -p PREFIX DIR`` reads: ``version``, ``entries``,
 ``pg_config``):
 
 * on NCCL, torch's NCCL flight recorder (``_dump_nccl_trace``); elsewhere its generic one, which records
@@ -50,10 +50,26 @@ def torch_trace() -> dict[str, Any]:
         dump = c10d._dump_nccl_trace if nccl and hasattr(c10d, "_dump_nccl_trace") else c10d._dump_fr_trace
         trace = pickle.loads(dump())
         if isinstance(trace, dict):
+            if not nccl:
+                _name_groups(trace)
             return trace
     except Exception as exc:  # a diagnosis aid: the runtime's own part is still worth writing
         log.debug("no flight-recorder dump from torch: %s", exc)
     return {"version": "ddp_slurm", "entries": [], "pg_config": {}}
+
+
+def _name_groups(trace: dict[str, Any]) -> None:
+    """The generic recorder (torch 2.14) lists only the default group in ``pg_config``, while its entries name
+    every group they ran on (the training and host groups): without their ranks torch's analyser stops at the
+    first such entry. Add each group this process knows."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    config = trace.setdefault("pg_config", {})
+    for group, name in c10d._world.pg_names.items():
+        if name not in config:
+            desc = getattr(group, "group_desc", "undefined")
+            config[name] = {"name": name, "desc": desc, "ranks": str(dist.get_process_group_ranks(group))}
 
 
 def dump(rank: int, view: dict[str, Any], environ: dict[str, str] | os._Environ[str] = os.environ) -> Path | None:

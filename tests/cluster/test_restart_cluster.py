@@ -426,6 +426,14 @@ def test_a_silent_loss_is_named_recorded_and_trained_past_inside_the_allocation(
     assert survivors <= {int(f[4]) for f in lines if f[0] == node and f[2] == launch} <= either, lines
     dumped = traces(job, launch)
     assert survivors <= set(dumped) <= either, sorted(dumped)
+    analyser = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", "--allow-incomplete-ranks"]
+    res = subprocess.run(
+        [*analyser, "-p", f"{job.job_id}.{launch}-rank", str(job.workdir / "nccl-traces")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]  # torch's own analyser reads them (gloo's groups named)
     for rank, trace in dumped.items():
         mine = trace["ddp_slurm"]
         assert mine["rank"] == rank and mine["verdict"].startswith(f"lost rank 1 (host {node}"), mine
