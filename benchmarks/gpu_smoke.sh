@@ -9,8 +9,11 @@
 # so that the whole script fits a 10-minute slot with room for CUDA's first start:
 #   fsdp-bf16-batchnorm   fsdp + train.precision=bf16 on the cnn (BatchNorm): trains (tests/test_gpu_smoke.py)
 #   guard-sync-debug      a guard rollback under DDP_SLURM_SYNC_DEBUG=error goes on, no traceback
-#   clock-events-world1   at world size 1 every CUDA event recorded is read (none pile up per step)
-#   fsdp-save-sync-debug  fsdp's sharded saves while DDP_SLURM_SYNC_DEBUG=error watches the steps
+#   clock-events          at world size 1 every CUDA event recorded is read (none pile up per step); at 2
+#                         and more the slow-rank clock holds few events and reads them once completed
+#                         (tests/test_gpu_syncs.py)
+#   fsdp-save-staging     an fsdp save stages its shards with one wait, not one per tensor (counted under
+#                         sync-debug "warn"); the loop's fsdp saves while DDP_SLURM_SYNC_DEBUG=error watches
 #   nosync-fp16-guard     the real loop never syncs in a steady step with fp16, and with the guard
 #                         (tests/test_gpu_path.py)
 #   nosync-activation     the same with train.activation_checkpoint=true (tests/test_gpu_smoke.py)
@@ -51,6 +54,7 @@ failed=0
 # -p no:cacheprovider: the checkout may be read-only; -rA lists every outcome, so a skip shows.
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rA -m gpu)
 SMOKE=tests/test_gpu_smoke.py
+SYNCS=tests/test_gpu_syncs.py
 stage() {  # stage NAME SECONDS COMMAND...: run under its limit, log to OUTPUT_DIR/NAME.log, record the outcome
     local name=$1 limit=$2; shift 2
     planned=$((planned + limit))
@@ -80,12 +84,14 @@ stage() {  # stage NAME SECONDS COMMAND...: run under its limit, log to OUTPUT_D
 
 stage fsdp-bf16-batchnorm 60 "${PYTEST[@]}" "$SMOKE::test_fsdp_bf16_with_batchnorm_trains"
 stage guard-sync-debug 60 "${PYTEST[@]}" "$SMOKE::test_guard_rollback_under_sync_debug_goes_on"
-stage clock-events-world1 50 "${PYTEST[@]}" "$SMOKE::test_world1_reads_every_cuda_event_it_records"
-stage fsdp-save-sync-debug 60 "${PYTEST[@]}" "$SMOKE::test_fsdp_saves_under_sync_debug"
-stage nosync-fp16-guard 150 "${PYTEST[@]}" tests/test_gpu_path.py \
+stage clock-events 60 "${PYTEST[@]}" "$SMOKE::test_world1_reads_every_cuda_event_it_records" \
+    "$SYNCS::test_the_slow_rank_clock_holds_few_events_and_reads_them_once_completed"
+stage fsdp-save-staging 75 "${PYTEST[@]}" "$SYNCS::test_an_fsdp_save_stages_its_shards_with_one_wait" \
+    "$SMOKE::test_fsdp_saves_under_sync_debug"
+stage nosync-fp16-guard 135 "${PYTEST[@]}" tests/test_gpu_path.py \
     -k "test_the_real_loop_never_synchronises_between_boundaries and (fp16 or guard)"
 stage nosync-activation 60 "${PYTEST[@]}" "$SMOKE::test_activation_checkpoint_never_synchronises"
-stage overhead 120 "$PY" -m ddp_slurm.bench overhead --device cuda --model cnn --batch 128 --steps 600 --pairs 1 \
+stage overhead 110 "$PY" -m ddp_slurm.bench overhead --device cuda --model cnn --batch 128 --steps 600 --pairs 1 \
     --json "$OUT_DIR/overhead.json"
 
 if [ "$DRY" -eq 1 ]; then

@@ -54,7 +54,7 @@ def test_no_overall_budget_and_the_graphs_threshold_is_the_docs() -> None:
 # benchmarks/gpu_smoke.sh: the first 10 minutes on a GPU (issue 37), its stages in priority order.
 SMOKE = REPO / "benchmarks" / "gpu_smoke.sh"
 SMOKE_STAGES = [
-    "fsdp-bf16-batchnorm", "guard-sync-debug", "clock-events-world1", "fsdp-save-sync-debug",
+    "fsdp-bf16-batchnorm", "guard-sync-debug", "clock-events", "fsdp-save-staging",
     "nosync-fp16-guard", "nosync-activation", "overhead",
 ]  # fmt: skip
 SMOKE_BUDGET_S = 570  # 10 minutes, less room for CUDA's first start

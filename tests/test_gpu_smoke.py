@@ -6,9 +6,9 @@ passed (issue 37), each a test of its own so that the script runs each under its
 - a guard rollback under ``DDP_SLURM_SYNC_DEBUG=error`` goes on training, with no sync-debug traceback
   (defect 3: the rollback's restore and the verdict read the device while the watch was on);
 - at world size 1 every CUDA event the runtime records is read (defect 4: the slow-rank clock recorded two
-  per step and never read them: unbounded growth);
-- fsdp's sharded saves under ``DDP_SLURM_SYNC_DEBUG=error``: the staging of a save must not sync inside a
-  watched step;
+  per step and never read them: unbounded growth; at 2 ranks and more: tests/test_gpu_syncs.py);
+- the loop's fsdp saves while ``DDP_SLURM_SYNC_DEBUG=error`` watches the steps between them (a save's own
+  staging waits once for all shards: tests/test_gpu_syncs.py counts them);
 - activation checkpointing never synchronises in a steady step (fp16 and the guard: tests/test_gpu_path.py).
 
 Marked ``gpu`` and skipped without CUDA, as tests/test_gpu_stages.py (CI machines have none); whether each
