@@ -69,7 +69,8 @@ def test_guard_rollback_under_sync_debug_goes_on(launcher: Launcher) -> None:
     assert _watched(res.stderr) > 0, res.stderr[-2000:]
 
 
-# torch.cuda.Event counted: every event recorded, and each one read (synchronize, query, elapsed_time).
+# torch.cuda.Event counted: every event recorded, and each one read (synchronize, query, elapsed_time, a
+# stream's wait).
 EVENTS = """
 import json, sys
 import torch
@@ -91,6 +92,10 @@ class Counted(torch.cuda.Event):
     def query(self):
         read.add(id(self))
         return super().query()
+
+    def wait(self, stream=None):  # a stream waits for it: consumed on the device
+        read.add(id(self))
+        return super().wait(stream)
 
     def elapsed_time(self, end):
         read.update((id(self), id(end)))
