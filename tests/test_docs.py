@@ -71,7 +71,7 @@ CLAIMED = {
     "sudo tests/cluster/cluster status": ("tests/cluster/conftest.py", '_cluster_cmd("status"'),
     "sudo tests/cluster/cluster down": ("tests/cluster/conftest.py", '_cluster_cmd("down"'),
     ".venv/bin/python -m pytest tests/test_faults.py tests/cluster/test_faults_cluster.py "
-    "-o junit_family=legacy --junitxml=faults.xml": ("Makefile", "-m pytest"),
+    "-o junit_family=legacy --junitxml=faults.xml": ("tests/run_suite.py", '"-m", "pytest"'),
     "srun -N2 --ntasks-per-node=1 python -m ddp_slurm.bench forecast --json f2.json": (
         "tests/cluster/test_forecast_cluster.py::test_forecast_measures_across_two_nodes_and_reports_once",
         '"forecast"',
