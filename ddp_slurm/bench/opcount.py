@@ -53,7 +53,7 @@ SOURCES = (
     ("step", "ddp_slurm/train/accumulate.py", ""),
     ("step", "ddp_slurm/train/optim.py", ""),  # the optimizer's step
     ("step", "ddp_slurm/tasks/", ""),
-    ("step", "ddp_slurm/bench/overhead.py", ""),  # the bare loop
+    ("step", "ddp_slurm/bench/workload.py", ""),  # the bare loop
     ("hooks", "ddp_slurm/train/hooks/", ""),
     ("loop", "ddp_slurm/train/loop.py", ""),
 )
@@ -142,10 +142,10 @@ def count_runtime(
     """This rank's ops per step in ``ddp_slurm.run`` (the bench's task), ``steps`` after the first window;
     ``extra``: more overrides (``train.grad_clip=1.0``: the norm window's share)."""
     import ddp_slurm
-    from ddp_slurm.bench import overhead
+    from ddp_slurm.bench import workload
 
-    first = overhead.LOG_EVERY
-    os.environ["DDP_SLURM_BENCH_REPEATS"] = str(overhead._repeats(first + steps, batch))
+    first = workload.LOG_EVERY
+    os.environ["DDP_SLURM_BENCH_REPEATS"] = str(workload.repeats(first + steps, batch))
     overrides = [
         f"guard.rollbacks={3 if guard else 0}",
         f"model.name={model}",
@@ -157,19 +157,19 @@ def count_runtime(
         *extra,
     ]
     with OpCounter((first, first + steps)) as counter:
-        code = ddp_slurm.run(overhead.LongSample, overrides)
+        code = ddp_slurm.run(workload.LongSample, overrides)
     if code != 0:
         raise common.BenchError(f"the counted ddp_slurm run exited {code}: {' '.join(overrides)}")
     return counter.per_step(steps)
 
 
 def count_bare(model: str, batch: int, steps: int) -> dict[str, Any]:
-    """The bare loop's ops per step (``overhead.bare_loop``, its measured steps only)."""
-    from ddp_slurm.bench import overhead
+    """The bare loop's ops per step (``workload.bare_loop``, its measured steps only)."""
+    from ddp_slurm.bench import workload
 
     counter = OpCounter()
-    repeats = overhead._repeats(steps, batch)
-    overhead.bare_loop(model, batch, steps, repeats, torch.device("cpu"), measured=counter)
+    repeats = workload.repeats(steps, batch)
+    workload.bare_loop(model, batch, steps, repeats, torch.device("cpu"), measured=counter)
     return counter.per_step(steps)
 
 

@@ -25,25 +25,19 @@ window, the guard's trace with ``--guard``, ...). ``--ops-only``: the count alon
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ddp_slurm import argtypes
-from ddp_slurm.bench import common, flags, opcount
+from ddp_slurm.bench import common, flags, opcount, workload
+from ddp_slurm.bench.workload import LOG_EVERY, LongSample, bare_loop
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.tasks.mnist import MNIST, data, models
-from ddp_slurm.train.task import Tensors
-
-LOG_EVERY = 20  # train.log_every_steps's default: the ddp_slurm rate is read from these rows
+from ddp_slurm.tasks.mnist import data, models
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,23 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ops = p.add_mutually_exclusive_group()
     ops.add_argument("--no-ops", action="store_true", help="leave out the op count (opcount.py)")
     ops.add_argument("--ops-only", action="store_true", help="only the op count per step, no timing (deterministic)")
-
-
-def _repeats(steps: int, batch: int) -> int:
-    """How often the sample is repeated so that one epoch holds warm-up and measured steps."""
-    return math.ceil((steps + LOG_EVERY) * batch / data.TRAIN_SIZES["sample"]) + 1
-
-
-class LongSample(MNIST):
-    """The MNIST task on the bundled sample repeated ``DDP_SLURM_BENCH_REPEATS`` times, no evaluation."""
-
-    def train_data(self) -> Tensors:
-        images, labels = super().train_data().tensors
-        times = int(os.environ.get("DDP_SLURM_BENCH_REPEATS", "1"))
-        return Tensors(images.repeat(times, 1, 1), labels.repeat(times))
-
-    def eval_data(self) -> None:
-        return None
 
 
 def ddp_slurm_loop(
@@ -111,46 +88,6 @@ def ddp_slurm_loop(
     return (last["step"] - first["step"]) * args.batch / (last["time_s"] - first["time_s"])
 
 
-def bare_loop(
-    model_name: str,
-    batch: int,
-    steps: int,
-    repeats: int,
-    device: torch.device,
-    measured: contextlib.AbstractContextManager | None = None,
-) -> float:
-    """samples/s of a plain PyTorch loop on the same data, model, optimizer, schedule and batch;
-    ``measured``: a context around the measured steps only (``opcount.OpCounter``)."""
-    train = data.load_sample(train=True)
-    images = train.images.repeat(repeats, 1, 1).to(device)
-    labels = train.labels.repeat(repeats).to(device)
-    torch.manual_seed(0)
-    model = models.build(model_name).to(device)
-    lr, total = 4e-3, steps + LOG_EVERY
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=lr, total_steps=total, pct_start=0.25, cycle_momentum=False
-    )
-    order = torch.randperm(len(labels), device=device)
-
-    def train_steps(first: int, count: int) -> torch.Tensor:
-        for i in range(first, first + count):
-            index = order[i * batch : (i + 1) * batch]
-            loss = F.cross_entropy(model(data.normalize(images[index])), labels[index])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-        return loss
-
-    train_steps(0, LOG_EVERY).item()  # warm-up, as the ddp_slurm rate leaves its first window out
-    start = time.perf_counter()
-    with measured or contextlib.nullcontext():
-        loss = train_steps(LOG_EVERY, steps)
-    loss.item()
-    return steps * batch / (time.perf_counter() - start)
-
-
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     if args.ops_only:  # counted on CPU whatever --device says: no device is touched
         return common.header(
@@ -166,7 +103,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     steps = args.steps if args.steps is not None else (2000 if device.type == "cuda" else 200)
     if steps % LOG_EVERY:
         raise common.BenchError(f"--steps {steps}: expected a multiple of {LOG_EVERY}")
-    repeats = _repeats(steps, args.batch)
+    repeats = workload.repeats(steps, args.batch)
     # The sample repeated, uint8 images and int64 labels: in the bare loop, and in the run's task and loader.
     sample = data.TRAIN_SIZES["sample"] * (28 * 28 + 8)
     flags.check_memory(f"--steps {steps} --batch {args.batch}", 3 * repeats * sample)

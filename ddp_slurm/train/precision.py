@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ddp_slurm import errors
 from ddp_slurm.config import ConfigError
-from ddp_slurm.train.hooks.syncdebug import ENV as SYNC_DEBUG
+from ddp_slurm.train.syncmode import ENV as SYNC_DEBUG
 
 log = logging.getLogger("ddp_slurm")
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_slurm import safefs
+from ddp_slurm.distributed import groups
 from ddp_slurm.hostmem import available_memory, share
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.slurmjob.badnodes import host_name
@@ -103,7 +104,7 @@ class ShardedCheckpointer:
         """``prune(newest)``: rank 0, after each commit (the checkpointer's pruning, through the gate)."""
         self.paths, self.enabled, self.shared, self.prune = paths, enabled, paths.shared, prune
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = dist.new_group(backend="gloo")  # background collectives, apart from training's
+        self.group = groups.gloo_group()  # background collectives, apart from training's, with the run's timeout
         self._stager: Any = None
         self._thread: threading.Thread | None = None
         self._error: str | None = None

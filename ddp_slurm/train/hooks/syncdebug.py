@@ -28,24 +28,12 @@ from typing import Any
 
 import torch
 
-from ddp_slurm import errors
 from ddp_slurm.train.hooks.base import Hook, Training
+from ddp_slurm.train.syncmode import ENV, MODES, mode_from  # noqa: F401  (this hook's variable)
 
 log = logging.getLogger("ddp_slurm")
 
-ENV = "DDP_SLURM_SYNC_DEBUG"
-MODES = ("warn", "error")
 WARMUP_STEPS = 3  # steps of each launch before the watch starts: first allocations, cuDNN's choices
-
-
-def mode_from(environ: Mapping[str, str]) -> str | None:
-    """The mode ``DDP_SLURM_SYNC_DEBUG`` asks for (None: unset or empty); UsageError in one line naming the
-    value and the accepted ones otherwise. The one check of the variable: start-up calls it before anything
-    is created."""
-    mode = environ.get(ENV) or None
-    if mode is not None and mode not in MODES:
-        raise errors.UsageError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)} (or unset)")
-    return mode
 
 
 class SyncWatch:
