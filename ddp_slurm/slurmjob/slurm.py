@@ -62,7 +62,9 @@ def requeue(job_ref: str, timeout_s: float = 60.0) -> bool:
     Slurm then ends this job run ("DUE TO JOB REQUEUE") and starts it again later with
     SLURM_RESTART_COUNT incremented and the same job id; the relaunch resumes from the run directory.
     """
-    ok, said = scontrol("requeue", job_ref, timeout_s=timeout_s)
+    # the requeue itself sends SIGTERM to the job's processes, this command too while it awaits the reply: ignored,
+    # or a requeue that went through reads as refused (exit -15) and a successor is chained besides
+    ok, said = scontrol("requeue", job_ref, timeout_s=timeout_s, ignore_term=True)
     if not ok:
         log.warning(
             "scontrol requeue %s failed: %s (is the job submitted with --requeue?); launch again to resume",
