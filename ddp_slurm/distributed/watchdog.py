@@ -17,8 +17,11 @@ rank 0 need keep the store up only until every survivor has seen the verdict.
 
 With NCCL the failure path above never runs for a lost or frozen rank: NCCL's own watchdog ends
 the process at ``dist.timeout_s`` while the training thread waits on the GPU. So a rank that has
-made no progress (``Watchdog.progress``, the step it is in) for a deadline shorter than that timeout
-looks for the cause itself, from the heartbeat thread: see ``distributed/stall.py``.
+made no progress (``Watchdog.progress``, the step it is in) for a few seconds looks for the cause
+itself, from the heartbeat thread: see ``distributed/stall.py``. A verdict published that way is also
+the diagnosis of a rank whose collective fails later (the ranks leaving on it close their sockets, and
+a scan would find them silent too); a rank whose own heartbeat stood still for ``grace_s`` (it was
+frozen, then continued) names nobody: the others have named it.
 
 Cost while training: one tiny store write and one existence check per rank per ``interval_s``, off
 the training thread. On the failure path everything is bounded (about ``grace_s`` + ``2 *
