@@ -71,6 +71,10 @@ class Skips:
     def covers(self, step: int) -> bool:
         return any(first <= step <= last for first, last in self.ranges)
 
+    def covers_all(self, first: int, last: int) -> bool:
+        """Whether every step from ``first`` to ``last`` is skipped (ranges are merged: one must hold them all)."""
+        return any(a <= first and last <= b for a, b in self.ranges)
+
     def add(self, ranges: list[tuple[int, int]]) -> None:
         self.ranges = merged(self.ranges + [tuple(r) for r in ranges])
 

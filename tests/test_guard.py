@@ -297,3 +297,21 @@ def test_a_quiet_run_of_the_examples_is_never_flagged(tmp_path: Path) -> None:
         assert proc.returncode == 0, out
         run_dir = tmp_path / "runs" / name
         assert rows(run_dir, "end") and not rows(run_dir, "rollback"), out
+
+
+def test_skipped_steps_covering_the_whole_run_are_refused(tmp_path: Path) -> None:
+    """A ``guard.skip`` covering every step once trained nothing and said "finished" with an untrained model:
+    exit 2 and one line; covering all but one step trains that one."""
+    import tasks_helpers
+
+    tasks_helpers.write_line_task(tmp_path)
+    launcher = Launcher(tmp_path)
+    base = ["task=line_task.py:Line", *tasks_helpers.LINE_RUN, "train.max_steps=6"]
+    every = launcher.run(launcher.cmd_train(*base, "guard.skip=1-3,4-100", "run.name=all"), timeout=300)
+    assert every.returncode == 2, every.stderr
+    [line] = [x for x in every.stderr.splitlines() if "cover every step" in x]
+    assert "(1-100: guard.skip" in line and "1-6" in line and "narrow guard.skip" in line, line
+    assert "finished" not in every.stderr and "Traceback" not in every.stderr, every.stderr
+    one = launcher.run(launcher.cmd_train(*base, "guard.skip=1-5", "run.name=one"), timeout=300)
+    assert one.returncode == 0, one.stderr
+    assert skips.Skips([(1, 5)]).covers_all(1, 5) and not skips.Skips([(1, 5)]).covers_all(1, 6)

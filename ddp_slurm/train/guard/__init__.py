@@ -65,6 +65,11 @@ class Guard:
         self.flagged, noted = on_rank0(run.env, lambda: record.read(run.cfg.paths), run.groups.host)
         by_hand = skips.parse(self.cfg.skip) if self.cfg.skip else []
         self.skips = Skips([tuple(r) for r in state["skips"]] + noted + by_hand)
+        if run.total_steps and self.skips.covers_all(1, run.total_steps):  # it would "finish" an untrained model
+            raise errors.UsageError(
+                f"the skipped steps ({skips.show(self.skips.ranges)}: guard.skip and the guard's record) cover every "
+                f"step of the run (1-{run.total_steps}): nothing would train; narrow guard.skip"
+            )
         state["skips"], state["rollbacks"] = self.skips.as_list(), max(state["rollbacks"], len(self.flagged))
         run.pos.guard = state
         run.batches.skip = self.skips.covers
