@@ -187,10 +187,14 @@ def open_owned(path: Path, flags: int, shared: bool = False) -> int:
 def append_owned(path: Path, text: str, shared: bool = False) -> None:
     """Append ``text`` to a file that lives across launches (a node list, a log of events): created if
     missing, never through a symlink, never into a FIFO, device or another user's file (``open_owned``:
-    ``UnsafePath``). One ``write`` with ``O_APPEND``: lines from several processes land whole."""
-    fd = open_owned(Path(path), os.O_WRONLY | os.O_APPEND, shared)
+    ``UnsafePath``). One ``write`` with ``O_APPEND``: lines from several processes land whole. A last line
+    that a killed writer left without its newline is ended first, so the new one is never glued onto it."""
+    fd = open_owned(Path(path), os.O_RDWR | os.O_APPEND, shared)
     try:
         data = text.encode()
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
         while data:
             data = data[os.write(fd, data) :]
     finally:

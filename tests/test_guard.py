@@ -108,6 +108,19 @@ def test_the_record_of_rollbacks_and_skips_reads_back_and_refuses_a_foreign_line
         record.read(paths)
 
 
+def test_a_record_cut_by_a_kill_takes_the_next_line_on_a_line_of_its_own(tmp_path: Path) -> None:
+    """A ``guard.jsonl`` whose last line a kill cut short once had the next record glued onto it: every later
+    launch was refused (exit 2) and the rollback was lost from the record."""
+    paths = RunPaths(tmp_path)
+    record.append(paths, "rollback", step=9, to=5)
+    with open(paths.guard, "a") as f:
+        f.write('{"event": "skip", "steps": [9')  # the skip's line, cut by a kill
+    record.append(paths, "rollback", step=18, to=12)  # the next launch's rollback
+    lines = paths.guard.read_text().splitlines()
+    assert len(lines) == 3 and lines[1] == '{"event": "skip", "steps": [9' and '"step": 18' in lines[2]
+    assert record.read(paths) == ({9, 18}, [])
+
+
 def test_a_checkpoint_whose_guard_state_is_not_one_is_refused() -> None:
     for bad in ({"mean": 1.0}, spike.fresh() | {"skips": [[5, 3]]}, spike.fresh() | {"rollbacks": -1}, []):
         ok, _ = schema.OPTIONAL["guard"]

@@ -6,8 +6,9 @@ cap would count from too few. So rank 0 appends a line as each happens, and ever
 (skipped steps) and the maximum (rollbacks) of this file and the checkpoint it resumes.
 
 Lines: ``{"event": "rollback", "step": S, "to": C, ...}`` and ``{"event": "skip", "steps": [A, B], ...}``,
-appended and read back through ``safefs`` (never through a link, at most 1 MiB); a line that is not one of
-these is refused in one line naming the file, since what it says decides which data trains.
+appended and read back through ``safefs`` (never through a link, at most 1 MiB). A line that is not JSON was
+cut short by a kill (the next append starts on a line of its own) and is passed over; JSON that is not one of
+these lines is refused in one line naming the file, since what it says decides which data trains.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ def read(paths: RunPaths) -> tuple[set[int], list[tuple[int, int]]]:
             continue
         try:
             row = json.loads(line)
-        except ValueError:
-            row = None
+        except ValueError:  # not JSON at all: a line a killed writer cut short (appends end it: safefs)
+            continue
         step = row.get("step") if isinstance(row, dict) else None
         if isinstance(row, dict) and row.get("event") == "rollback" and isinstance(step, int) and step >= 1:
             flagged.add(step)
         elif isinstance(row, dict) and row.get("event") == "skip" and skips.valid([row.get("steps")]):
             ranges.append(tuple(row["steps"]))
-        elif number < len(text.splitlines()) or text.endswith("\n"):  # a last line cut short: a writer killed
+        else:  # JSON that says something else: forged or another program's, and it decides what trains
             raise safefs.UnsafePath(
                 f"{paths.guard} line {number} is not a rollback or a skip this program wrote: remove that line"
             )
