@@ -328,3 +328,27 @@ def test_skipped_steps_covering_the_whole_run_are_refused(tmp_path: Path) -> Non
     one = launcher.run(launcher.cmd_train(*base, "guard.skip=1-5", "run.name=one"), timeout=300)
     assert one.returncode == 0, one.stderr
     assert skips.Skips([(1, 5)]).covers_all(1, 5) and not skips.Skips([(1, 5)]).covers_all(1, 6)
+
+
+def test_the_guard_s_way_back_to_step_0_is_never_pruned(tmp_path: Path) -> None:
+    """Step 0 (docs/guard.md: always kept) once went to ``checkpoint.keep`` when ``guard.suspect_steps`` reached
+    past it, so the first spike ended the run with exit 1; it is spared beside the ``keep`` newest."""
+    import tasks_helpers
+
+    tasks_helpers.write_line_task(tmp_path)
+    launcher = Launcher(tmp_path)
+    res = launcher.run(
+        launcher.cmd_train(
+            "task=line_task.py:Line",
+            *tasks_helpers.LINE_RUN,
+            "guard.rollbacks=1",
+            "guard.suspect_steps=50",
+            "checkpoint.every_steps=4",
+            "checkpoint.keep=1",
+            "run.name=wide",
+        ),
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    kept = sorted(p.name for p in (tmp_path / "runs" / "wide" / "checkpoints").iterdir())
+    assert kept == ["step-0.pt", "step-24.pt"], kept

@@ -173,8 +173,9 @@ class Checkpointer:
         if best_step is not None and best_step == step:
             best.mark(self.paths, newest)
         spare = [p for s, p in candidates if s == best_step]
-        if self.hold and step is not None:  # the guard's rollback target: the newest before the suspect steps
-            spare += [p for s, p in sorted(candidates, reverse=True) if s <= step - self.hold][:1]
+        if self.hold and step is not None:  # the guard's way back: step 0, and the newest before the suspect steps
+            spare += [p for s, p in candidates if s == 0]  # docs/guard.md: always kept, whatever keep or the window
+            spare += [p for s, p in sorted(candidates, reverse=True) if s <= max(0, step - self.hold)][:1]
         listing.prune(
             candidates,
             self.keep,
