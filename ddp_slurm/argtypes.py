@@ -154,6 +154,15 @@ def output_dir(text: str) -> Path:
     return path
 
 
+def run_dir(text: str) -> Path:
+    """An existing run directory (one that holds ``config.yaml``) that takes new files: a mistyped name is
+    refused, never created."""
+    path = output_dir(text)
+    if not (path / "config.yaml").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run directory (no config.yaml in it): name runs/<name>")
+    return path
+
+
 def input_file(text: str) -> Path:
     """A path to read (whoever reads it checks what is there); no control characters in it."""
     return Path(plain_text(text))

@@ -132,6 +132,26 @@ def test_usage_error(launcher):
     assert "argument --timeout" in line and "got '0'" in line
 
 
+def test_exclude_slow_names_a_run_directory_and_says_only_what_it_recorded(launcher, tmp_path):
+    """``--exclude-slow`` once created a mistyped run directory to record into, and said "recorded" for names
+    it dropped: a folder that is not a run directory is refused before anything runs, and the line names
+    only what went into ``slow_nodes``."""
+    from ddp_slurm.slurmjob import badnodes
+    from ddp_slurm.tools import doctor
+
+    typo = tmp_path / "runs" / "mnsit"
+    res = launcher.run([sys.executable, "-m", "ddp_slurm.doctor", "--exclude-slow", str(typo)], timeout=WAIT)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    [line] = res.stderr.splitlines()
+    assert "--exclude-slow" in line and "does not exist" in line and not (tmp_path / "runs").exists()
+    run = tmp_path / "runs" / "mnist"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    said = doctor._record_slow(run, ["node2", "link node1->node2", "bad;name"])
+    assert said.startswith("doctor: recorded node2 in ") and "not recorded" in said and "bad;name" in said, said
+    assert badnodes.excluded(run, slow=True) == ["node2"]
+
+
 def _row(rank: int, host: str, node_rank: int, local_rank: int, gpu: str | None = None) -> dict:
     """A gathered report as rank 0 sees it (what measure() and describe() produce)."""
     return {

@@ -23,7 +23,6 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from ddp_slurm import argtypes, safefs, text
@@ -302,7 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--exclude-slow",
-        type=Path,
+        type=argtypes.run_dir,
         metavar="RUN_DIR",
         help="record the nodes named slow in RUN_DIR/slow_nodes, which the run's launchers leave out "
         "with slurm.exclude_slow=true",
@@ -381,16 +380,18 @@ def _meet_and_measure(args: argparse.Namespace, env: DistEnv, rep: Report, suspe
 def _record_slow(run_dir: Any, hosts: list[str]) -> str:
     """``--exclude-slow RUN_DIR``: the slow hosts into the run's ``slow_nodes`` (the list requeue, the relaunch
     inside the allocation and submit leave out with ``slurm.exclude_slow=true``)."""
-    if not hosts:
-        return f"doctor: no slow node to record in {run_dir}"
+    named = [h for h in hosts if badnodes.HOST.fullmatch(h)]  # what record() writes: it drops the others
+    left = sorted(set(hosts) - set(named))
+    dropped = f" (not recorded, not Slurm host names: {', '.join(left)})" if left else ""
+    if not named:
+        return f"doctor: no slow node to record in {run_dir}{dropped}"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        badnodes.record(run_dir, hosts, os.environ.get("SLURM_JOB_ID"), "doctor", "named slow by doctor", slow=True)
+        badnodes.record(run_dir, named, os.environ.get("SLURM_JOB_ID"), "doctor", "named slow by doctor", slow=True)
     except (OSError, safefs.UnsafePath) as exc:
         return f"doctor: FAIL cannot record the slow nodes in {run_dir}: {exc}"
     return (
-        f"doctor: recorded {', '.join(hosts)} in {run_dir}/slow_nodes: with slurm.exclude_slow=true the run's "
-        "submit, requeue and relaunch leave them out"
+        f"doctor: recorded {', '.join(named)} in {run_dir}/slow_nodes{dropped}: with slurm.exclude_slow=true the "
+        "run's submit, requeue and relaunch leave them out"
     )
 
 

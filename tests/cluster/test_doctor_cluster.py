@@ -178,7 +178,9 @@ def test_doctor_names_a_node_starved_of_cpu_and_records_it(slurm_cluster, tmp_pa
     group.mkdir(exist_ok=True)
     (group / "cpu.cfs_period_us").write_text("100000")
     (group / "cpu.cfs_quota_us").write_text("10000")
-    run = tmp_path / "runs" / "next"
+    run = tmp_path / "runs" / "next"  # a run directory of its own (the doctor never makes one)
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
     starve = f'[ "$SLURMD_NODENAME" = node2 ] && echo $$ > {group}/cgroup.procs; exec "$@"'
     try:
         cp = srun(
