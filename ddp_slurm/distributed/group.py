@@ -276,7 +276,16 @@ def init_distributed(
             raise BootstrapError(
                 f"MASTER_ADDR={env.master_addr!r} cannot be resolved ({exc.strerror or exc})"
             ) from None
-    configure_threads(env, os.environ)
+    threads = configure_threads(env, os.environ)
+    if env.rank == 0 and env.launcher != "slurm" and not os.environ.get("OMP_NUM_THREADS") and threads > 4:
+        # every CPU this process may use: right on a node of one's own, slow on a shared one (a login node's
+        # neighbours made the README's first run 7x slower); say so where a user can act on it
+        log.info(
+            "%d threads per rank (the CPUs this process may use, over %d local rank(s)); on a shared machine "
+            "set OMP_NUM_THREADS to a few",
+            threads,
+            env.local_world_size,
+        )
     hostmem.keep_freed_memory(os.environ)  # no page faults on every CPU step (see hostmem)
     gpus_per_task = bound_gpus_per_task(env.launcher, os.environ)
     device, backend = pick_device_and_backend(backend, env.local_rank, env.local_world_size, gpus_per_task)
