@@ -61,9 +61,9 @@ def test_crash_on_one_rank_prints_its_traceback_once(launcher, tmp_path):
             assert "another rank stopped answering" in line, line
     # info lines come from rank 0 only: one start summary for the two ranks
     summaries = [l for l in out.splitlines() if re.search(r"starting run \S+: world size 2 on 1 node", l)]
-    assert len(summaries) == 1 and summaries[0].endswith("via torchrun, backend gloo, device cpu, fresh start"), (
-        summaries
-    )
+    assert len(summaries) == 1 and summaries[0].endswith(
+        "via torchrun, backend gloo, device cpu, ddp fp32, fresh start"
+    ), summaries
 
 
 def test_crash_then_resume_summary(launcher, tmp_path):
@@ -77,7 +77,7 @@ def test_crash_then_resume_summary(launcher, tmp_path):
     assert f"ERROR [rank 0 {HOST}] training failed\nTraceback" in first.stderr
     assert re.search(
         r"starting run runs/resumed: world size 1 on 1 node\(s\) via single, backend gloo, "
-        r"device cpu, fresh start",
+        r"device cpu, ddp fp32, fresh start",
         first.stderr,
     ), first.stderr
     second = launcher.run([sys.executable, str(harness), *args])  # the same task, no fault this time
@@ -85,7 +85,7 @@ def test_crash_then_resume_summary(launcher, tmp_path):
     # step 7 completed but only step 5 was checkpointed: the relaunch says where it resumes from
     assert re.search(
         r"resuming run runs/resumed: world size 1 on 1 node\(s\) via single, backend gloo, "
-        r"device cpu, from step 5 \(launch 2\)$",
+        r"device cpu, ddp fp32, from step 5 \(launch 2\)$",
         second.stderr,
         re.M,
     ), second.stderr

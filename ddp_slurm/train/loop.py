@@ -246,9 +246,11 @@ def _start(t: Training, backend: str, resumed: bool, warm: dict[str, Any]) -> No
         steps_per_epoch=run.steps_per_epoch,
         restart_in_allocation=restarts.step_restart(os.environ),  # the batch script's relaunch (supervise.py)
         accumulate=accumulation(run.cfg, env.world_size),  # train.micro_batch_size: chosen for this world size
+        strategy=run.strategy.name,
+        precision=run.cfg.train.precision,
     )
     log.info(
-        "%s run %s: world size %d on %d node(s) via %s, backend %s, device %s, %s",
+        "%s run %s: world size %d on %d node(s) via %s, backend %s, device %s, %s %s, %s",
         "resuming" if resumed else "starting",
         run.cfg.run_dir,
         env.world_size,
@@ -256,6 +258,8 @@ def _start(t: Training, backend: str, resumed: bool, warm: dict[str, Any]) -> No
         env.launcher,
         backend,
         run.device,
+        run.strategy.name,
+        run.cfg.train.precision,
         logs.resumed_from(pos.step, t.metrics.launch, env) if resumed else "fresh start",
     )
 
