@@ -78,6 +78,7 @@ def test_torchrun_two_ranks_ok_table(launcher):
     assert [r[0] for r in rows] == ["0", "1"] and [r[1] for r in rows] == ["0/2", "1/2"], res.stdout
     assert all(r[5] == "gloo" for r in rows)
     assert not fail_lines(res.stdout)
+    assert "compute ms: 100 products of two 256x256 matrices" in res.stdout  # the column says what it is
 
 
 def test_unresolvable_master_addr(tmp_path):

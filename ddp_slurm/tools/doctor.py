@@ -226,7 +226,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in sorted(rows, key=lambda r: r["rank"])
     ]
-    return "\n".join(text.columns([head, *body]))
+    from ddp_slurm.tools import probes  # torch: only once a table is made, never for --help
+
+    legend = (
+        f"compute ms: {probes.COMPUTE_PRODUCTS} products of two {probes.COMPUTE_SIZE}x{probes.COMPUTE_SIZE} matrices "
+        f"on the rank's device, the median of {probes.REPEATS} (compared between nodes: the slow-node probe)"
+    )
+    return "\n".join([*text.columns([head, *body]), legend])
 
 
 def summary(rows: list[dict[str, Any]], size_mb: float) -> str:
