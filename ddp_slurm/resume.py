@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ddp_slurm import config, errors, safefs
 from ddp_slurm.distributed.env import DistEnv
-from ddp_slurm.exitcodes import EXIT_USAGE
+from ddp_slurm.exitcodes import EXIT_OK, EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.tools import history
 
@@ -129,6 +129,21 @@ def world_size(run_dir: Path, asked: int | None) -> int:
     return size
 
 
+def finished_at(run_dir: Path) -> int | None:
+    """The step ``run_dir`` finished at, when the newest checkpoint a resume would take says it finished; None
+    otherwise, or when that cannot be told here (the ranks then say what is wrong). Reads the checkpoint
+    through the gate, as a resume does (torch is imported: the launch this spares would import it too)."""
+    from ddp_slurm.train.checkpoint import gate
+
+    try:
+        cfg = config.read_resolved(RunPaths(run_dir).config)
+        paths = RunPaths(run_dir, cfg.run.shared)
+        found = gate.Gate(gate.backend_of(paths), paths, [gate.same_config(cfg)]).newest()
+    except (errors.Error, OSError, ValueError):
+        return None
+    return found[1]["step"] if found is not None and found[1].get("finished") else None
+
+
 def launcher_argv(run_dir: Path, ranks: int, overrides: list[str]) -> list[str]:
     """The local launcher running this command as ``ranks`` ranks."""
     return [
@@ -184,6 +199,11 @@ def main(argv: list[str] | None = None, stop=None) -> int:
     except (ValueError, errors.UsageError) as exc:  # history.ReportError and the rewind's are UsageErrors
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_USAGE
+    if ranks > 1 and not args.overrides and args.step is None:
+        done = finished_at(run_dir)
+        if done is not None:  # nothing to train: no ranks, no rendezvous, only to say so
+            sys.stderr.write(f"{PROG}: run {run_dir} already finished at step {done}; nothing to do\n")
+            return EXIT_OK
     if ranks > 1:
         argv = launcher_argv(run_dir, ranks, args.overrides)
         sys.stderr.write(f"{PROG}: {run_dir} resumes with {ranks} local ranks: {shlex.join(argv)}\n")

@@ -834,3 +834,22 @@ def test_resume_s_rank_count_flag_is_checked_in_one_line(launcher) -> None:
     )
     assert ranked.returncode == 2 and ranked.stderr.count("\n") == 1, ranked.stderr
     assert "already one rank of a launch" in ranked.stderr  # never silently ignored
+
+
+def test_resume_of_a_finished_run_launches_nothing(tmp_path: Path) -> None:
+    """``ddp-slurm resume`` of a run that finished once started its ranks and a rendezvous only to say so: it
+    now reads the newest checkpoint first and says so itself (no launch, no new ``start`` line)."""
+    tasks_helpers.write_line_task(tmp_path)
+    launcher = Launcher(tmp_path)
+    made = launcher.run(
+        launcher.cmd_torchrun(
+            2, "task=line_task.py:Line", *tasks_helpers.LINE_RUN, "train.max_steps=4", "run.name=done"
+        ),
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    starts = [r for r in metrics.read(tmp_path / "runs/done/metrics.jsonl") if r["kind"] == "start"]
+    again = launcher.run([sys.executable, "-m", "ddp_slurm", "resume", "runs/done"], timeout=300)
+    assert again.returncode == 0 and "already finished at step 4; nothing to do" in again.stderr, again.stderr
+    assert "local ranks" not in again.stderr  # the launcher was never started
+    assert [r for r in metrics.read(tmp_path / "runs/done/metrics.jsonl") if r["kind"] == "start"] == starts
