@@ -419,3 +419,37 @@ def test_tensors_unpack_into_the_tensors_given() -> None:
     data = Tensors(x, y)
     first, second = data
     assert first is x and second is y and len(data) == 3 and data.tensors == (x, y)
+
+
+TRAIN_LOG_TASK = """
+from line_task import Line
+
+
+class Logged(Line):
+    def train_log(self):
+        return {"temperature": 0.5, "seen": 7}
+
+
+class Clashing(Line):
+    def train_log(self):
+        return {"lr": 1.0}
+"""
+
+
+def test_a_task_adds_numbers_to_the_train_lines(tmp_path: Path) -> None:
+    """docs/loggers.md said a task could add fields to the train lines, and none could: ``train_log()`` does, and
+    a name the line already has is one error line."""
+    from ddp_slurm.train import metrics
+
+    write_line_task(tmp_path)
+    (tmp_path / "logged.py").write_text(TRAIN_LOG_TASK)
+    launcher = Launcher(tmp_path)
+    env = base_env(PYTHONPATH=f"{tmp_path}:{base_env()['PYTHONPATH']}")
+    base = [*LINE_RUN, "train.max_steps=8"]
+    ok = launcher.run(launcher.cmd_train("task=logged.py:Logged", *base, "run.name=logged"), env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    lines = [r for r in metrics.read(tmp_path / "runs/logged/metrics.jsonl") if r["kind"] == "train"]
+    assert lines and all(r["temperature"] == 0.5 and r["seen"] == 7 and "loss" in r for r in lines), lines
+    bad = launcher.run(launcher.cmd_train("task=logged.py:Clashing", *base, "run.name=clash"), env=env, timeout=300)
+    assert bad.returncode == 2, bad.stderr
+    assert "Clashing.train_log() returned lr, which the train line already has" in bad.stderr, bad.stderr

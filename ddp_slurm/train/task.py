@@ -172,6 +172,13 @@ class Task:
         unit's forward in backward, under ddp and fsdp alike."""
         return default_units(model)
 
+    def train_log(self) -> dict[str, float]:
+        """Numbers of the task's own to add to each ``train`` line of metrics.jsonl (and so to every logger:
+        ``train/<name>``), read on rank 0 at each line: host values (an EMA's decay, a temperature); a tensor
+        here is read with ``.item()``, a wait for the device once per line. A name the runtime's line already
+        has (``loss``, ``lr``, ...) is refused."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """The task's own state to checkpoint (tensors and plain values), beyond model and optimizer."""
         return {}

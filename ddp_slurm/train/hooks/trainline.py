@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ddp_slurm import errors
 from ddp_slurm.train import accumulate
 from ddp_slurm.train.hooks.base import Hook, Training
 from ddp_slurm.train.window import LossWindow
@@ -37,13 +38,31 @@ class TrainLine(Hook):
         if run.pos.step % self.every == 0:
             figures = self.window.close(run.pos.step)
             t.loss, t.rate = self.window.loss, self.window.rate
-            t.metrics.write(
-                "train",
-                run.pos.step,
-                run.pos.epoch,
-                t.elapsed(),
+            fields = {
                 **figures,
                 **self.norms.close(),
-                world_size=run.world_size,
-                lr=run.scheduler.get_last_lr()[0],
+                "world_size": run.world_size,
+                "lr": run.scheduler.get_last_lr()[0],
+            }
+            if run.env.rank == 0:  # only rank 0 writes the line: the others need not ask
+                fields |= task_fields(run.task, fields)
+            t.metrics.write("train", run.pos.step, run.pos.epoch, t.elapsed(), **fields)
+
+
+def task_fields(task: Any, ours: dict[str, Any]) -> dict[str, float]:
+    """``task.train_log()`` as numbers; UsageError (one line, naming the task) for a name the line already has
+    or a value that is not a number."""
+    given = task.train_log() or {}
+    taken = sorted(set(given) & ({"kind", "step", "epoch", "time_s"} | set(ours)))
+    if taken:
+        raise errors.UsageError(
+            f"{type(task).__name__}.train_log() returned {', '.join(taken)}, which the train line already has: rename them"
+        )
+    out = {}
+    for name, value in given.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+            raise errors.UsageError(
+                f"{type(task).__name__}.train_log() returned {name!r}: {value!r:.40}; expected names and numbers"
             )
+        out[name] = value.item() if isinstance(value, torch.Tensor) else value
+    return out
