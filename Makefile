@@ -4,11 +4,15 @@ VENV   := .venv
 PIP    := $(VENV)/bin/pip
 RUN_NAME ?= local-$(shell date +%Y%m%d-%H%M%S)
 # TORCH=cpu: torch's CPU-only build from download.pytorch.org instead of PyPI's CUDA build (whose
-# nvidia-* wheels alone take 3.2 GB); for a machine without a GPU. Its +cpu version outranks PyPI's.
+# nvidia-* wheels alone take 3.2 GB); for a machine without a GPU. That index is asked for torch and
+# torchvision alone (and their dependencies, which it mirrors), after a probe that fails at once where it is
+# blocked; the rest comes from PyPI, where torch is then already installed. Its +cpu version outranks PyPI's,
+# so an existing .venv with PyPI's build switches (--upgrade).
 TORCH ?=
-TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--extra-index-url https://download.pytorch.org/whl/cpu)
-# An existing .venv with PyPI's build keeps it unless torch is named for an upgrade (+cpu outranks it).
-TORCH_SWITCH := $(if $(filter cpu,$(TORCH)),--upgrade torch torchvision)
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+# torch and torchvision as setup.cfg requires them (the versions live there)
+TORCH_REQS := $(shell sed -n 's/^[[:space:]]*\(torch\(vision\)\{0,1\}[<>=][^[:space:]]*\).*/"\1"/p' setup.cfg)
+TORCH_CPU := $(if $(filter cpu,$(TORCH)),yes)
 
 .PHONY: run test lint system-packages clean FORCE
 
@@ -22,13 +26,15 @@ $(VENV)/.torch-choice: FORCE
 $(VENV)/.installed: setup.cfg pyproject.toml $(VENV)/.torch-choice
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_INDEX) $(TORCH_SWITCH) -e .
+	$(if $(TORCH_CPU),$(VENV)/bin/python -m ddp_slurm.tools.torchbuild --reach $(CPU_INDEX)/torch/)
+	$(if $(TORCH_CPU),$(PIP) install -q --index-url $(CPU_INDEX) --upgrade $(TORCH_REQS))
+	$(PIP) install -q -e .
 	$(VENV)/bin/python -m ddp_slurm.tools.torchbuild $(TORCH)
 	touch $@
 
 # The test tools on top (pytest, ruff, tensorboard).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q $(TORCH_INDEX) -e '.[test]'
+	$(PIP) install -q -e '.[test]'
 	touch $@
 
 # Two local CPU ranks (gloo) on the bundled sample, through the launcher that ends a stop with exit 75.

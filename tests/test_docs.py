@@ -285,10 +285,11 @@ def test_make_run_installs_no_test_tools_and_torch_cpu_takes_the_cpu_build(tmp_p
     test = recipe("test")
     assert "-e '.[test]'" in test and "tests/run_suite.py" in test  # pytest twice, side by side
     cpu = recipe("run", "TORCH=cpu")
-    assert (
-        "pip install -q --extra-index-url https://download.pytorch.org/whl/cpu --upgrade torch torchvision -e ." in cpu
-    )
-    assert "python -m ddp_slurm.tools.torchbuild cpu\n" in cpu
+    # the CPU index is probed (fails at once where blocked), then asked for torch and torchvision alone
+    probe = "python -m ddp_slurm.tools.torchbuild --reach https://download.pytorch.org/whl/cpu/torch/\n"
+    alone = 'pip install -q --index-url https://download.pytorch.org/whl/cpu --upgrade "torch>=2.9,<2.15" "torchvision>=0.24,<0.30"\n'
+    assert cpu.index(probe) < cpu.index(alone) < cpu.index("pip install -q -e .\n"), cpu
+    assert "python -m ddp_slurm.tools.torchbuild cpu\n" in cpu and "extra-index-url" not in cpu
 
 
 FAKE_TOOL = '#!/bin/sh\necho "$0 $*" >> "$(dirname "$0")/../calls"\n'
@@ -329,7 +330,9 @@ def test_make_with_another_torch_build_redoes_the_install(tmp_path: Path) -> Non
     assert "pip install -q" in make()  # the first install, PyPI's torch
     assert make() == ""  # up to date
     cpu = make("TORCH=cpu")
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu --upgrade torch torchvision -e ." in cpu, cpu
+    assert (
+        "--index-url https://download.pytorch.org/whl/cpu --upgrade torch>=2.9,<2.15 torchvision>=0.24,<0.30" in cpu
+    ), cpu
     assert "python -m ddp_slurm.tools.torchbuild cpu" in cpu
     assert make("TORCH=cpu") == ""
     assert "python -m ddp_slurm.tools.torchbuild\n" in make()

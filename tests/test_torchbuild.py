@@ -40,3 +40,16 @@ def test_the_command_names_this_environment_s_build() -> None:
         [sys.executable, "-m", "ddp_slurm.tools.torchbuild", "gpu"], env=base_env(), capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'gpu'" in bad.stderr
+
+
+def test_an_index_that_cannot_be_reached_fails_the_cpu_install_at_once(capsys) -> None:
+    """Where the CPU wheel index is blocked (common on login nodes), pip retried it for every package for
+    minutes, then took PyPI's CUDA build: ``make ... TORCH=cpu`` probes it first and stops in one line."""
+    import socket
+
+    with socket.socket() as closed:  # a port on this machine that nobody listens on: refused at once
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/whl/cpu/torch/"
+    assert torchbuild.main(["--reach", url]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"ERROR TORCH=cpu: {url} cannot be reached (") and "`make run`" in line

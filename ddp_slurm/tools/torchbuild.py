@@ -1,10 +1,13 @@
-"""``python -m ddp_slurm.tools.torchbuild [cpu]``: which torch build an install got, said at its end.
+"""``python -m ddp_slurm.tools.torchbuild [cpu]``: which torch build an install got, said at its end;
+``--reach URL``: whether torch's CPU wheel index answers, before ``TORCH=cpu``'s install asks it.
 
-``make`` runs it after every install (``TORCH=cpu`` or not). Why: pip falls back silently. Where
-download.pytorch.org is unreachable, ``--extra-index-url .../whl/cpu`` retries for minutes and then takes
-PyPI's torch, which is the CUDA build (gigabytes of ``nvidia-*`` wheels), without a word; and a ``.venv``
+``make`` runs it after every install (``TORCH=cpu`` or not). Why: pip falls back silently, and a ``.venv``
 made earlier keeps whatever build it has. One line says the build and version; a ``WARNING`` line when it
 is not the build that was asked for, with what to do. The exit status stays 0: the install did work.
+Where download.pytorch.org is blocked (login nodes often are), an install that names it retries it for
+minutes; ``--reach`` says so at once instead (exit 1), and the install asks that index for torch and
+torchvision alone, never for every package. Runs from the repository before the package is installed:
+nothing here imports more than the standard library at module level.
 """
 
 from __future__ import annotations
@@ -42,10 +45,40 @@ def verdict(asked: str, version: str, cuda: str | None) -> tuple[str, str | None
     return line, None
 
 
+REACH_TIMEOUT_S = 10.0
+
+
+def reach(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
+    """None when ``url`` answers within ``timeout``; else why not, in a few words. Before ``TORCH=cpu``'s
+    install: where the index is blocked (common on login nodes) pip would retry it for minutes."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return None
+    except urllib.error.HTTPError as exc:
+        return None if exc.code < 500 else f"HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        return str(getattr(exc, "reason", None) or exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--reach":  # `make ... TORCH=cpu`, before the install: fail fast
+        why = reach(args[1])
+        if why is not None:
+            sys.stderr.write(
+                f"ERROR TORCH=cpu: {args[1]} cannot be reached ({why}), so torch's CPU-only build cannot be "
+                "installed from it; use `make run` for PyPI's build (the CUDA one, 5.8 GB), or a proxy "
+                "(HTTPS_PROXY) that reaches it\n"
+            )
+            return 1
+        return 0
     if len(args) > 1 or (args and args[0] not in ("", CPU)):
-        sys.stderr.write(f"usage: python -m ddp_slurm.tools.torchbuild [{CPU}] (got {' '.join(args)!r})\n")
+        sys.stderr.write(
+            f"usage: python -m ddp_slurm.tools.torchbuild [{CPU} | --reach URL] (got {' '.join(args)!r})\n"
+        )
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     import torch
