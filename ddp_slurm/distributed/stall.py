@@ -114,13 +114,15 @@ def _silent(stamp: str) -> str:
 
 
 def exit_on_lost(dog: Watchdog) -> Callable[[PeerLost, int], None]:
-    """The default ``on_lost`` (the record and the dump are done by then): log the line, keep the store up
-    for the others (rank 0), exit 1."""
+    """The default ``on_lost`` (the record and the dump are done by then): log the line, wait until the others
+    have read the verdict, exit 1."""
 
     def act(error: PeerLost, lost: int) -> None:
         log.error("%s", error)
-        if dog.hosts_store:
-            dog.linger(lost)
+        # Every rank, not only the store's host: until the others have read the verdict, none of them may see its
+        # collective fail because this one's sockets closed (gloo raises, NCCL's watchdog aborts), and end without
+        # the record and the dump (bounded: about one heartbeat interval, 9 s at most).
+        dog.linger(lost)
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         sys.stderr.flush()

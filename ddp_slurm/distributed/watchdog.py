@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 from ddp_slurm import errors
-from ddp_slurm.distributed import rdzv
+from ddp_slurm.distributed import flightrec, rdzv
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +248,9 @@ class Watchdog:
         )
 
     def linger(self, lost: int) -> None:
-        """On the store's host: keep the store up until every survivor's heartbeat has picked up the
-        verdict (about one heartbeat interval; bounded)."""
+        """Stay until every survivor's heartbeat has picked up the verdict (about one heartbeat interval;
+        bounded): on the store's host, to keep the store up; on a rank the stall check ends, so that no survivor
+        sees its collective fail (this rank's sockets closing) before it knows why."""
         survivors = self.world_size - lost
         deadline = time.monotonic() + 4 * self.interval_s + 5
         with contextlib.suppress(Exception):
@@ -320,6 +321,8 @@ def watch(
         if found is None:
             raise
         error, count = found
+        if count:  # the flight-recorder file the batch scripts promise, as on the stall check's path
+            flightrec.dump(dog.rank, {"verdict": str(error).split("; ")[0], "step": dog._progress, "cause": str(exc)})
         if dog.hosts_store:
             # Close our collectives first, so ranks still blocked on us fail now and come for the verdict.
             with contextlib.suppress(Exception):  # abort: NCCL's orderly destroy can wait forever for the lost rank
