@@ -8,6 +8,7 @@ to under NCCL, whose own watchdog would otherwise end them at the timeout withou
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import re
@@ -70,6 +71,13 @@ def test_deadline_is_well_inside_the_backend_timeout() -> None:
     assert stall.deadline_s(300) == 270 and stall.deadline_s(1800) == 1770 and stall.deadline_s(30) == 15
     for timeout in (2, 10, 59, 60, 61, 300, 3600):
         assert 0 < stall.deadline_s(timeout) <= timeout - min(timeout / 2, 30)
+    # a lost rank's verdict (look, two reads grace_s apart, the others' pick-up within a beat) comes long before
+    # NCCL's watchdog would abort at dist.timeout_s, and within seconds whatever that timeout is
+    defaults = inspect.signature(Watchdog).parameters
+    grace_s, beat_s = defaults["grace_s"].default, defaults["interval_s"].default
+    for timeout in (20, 30, 60, 300, 1800):
+        verdict = min(stall.LOOK_S, stall.deadline_s(timeout)) + grace_s + beat_s
+        assert verdict <= 10 and verdict < timeout, (timeout, verdict)
 
 
 def test_a_lost_rank_is_named_by_every_waiting_rank() -> None:
