@@ -137,3 +137,24 @@ def test_in_a_supervised_step_the_survivor_leaves_the_lost_node_to_the_superviso
     assert res.returncode == 0 and res.stdout == "went on\n", res.stderr
     assert badnodes.excluded(tmp_path / "r") == ["node3"]
     assert helpers.requeue_calls(calls) == (["requeue 41"] if requeued else []), res.stderr
+
+
+@pytest.mark.parametrize("what", ["symlink", "fifo", "range"])
+def test_a_damaged_slow_nodes_costs_one_warning_not_the_job(launcher: Launcher, what: str, caplog) -> None:
+    """``slow_nodes`` is a hint (the doctor's, the slow-rank check's): damaged (a link, a FIFO, a host range)
+    with ``slurm.exclude_slow`` it once ended the job with a traceback before any launch."""
+    victim = launcher.cwd / "victim.txt"
+    victim.write_text(VICTIM)
+    run_dir = launcher.cwd / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    badnodes.record(run_dir, ["node2"], "41", 0, "lost rank 1")
+    if what == "range":
+        (run_dir / "slow_nodes").write_text("node[3-4]\t41\t0\t-\t0\tslow\n")
+    else:
+        plant(run_dir / "slow_nodes", what, victim)
+    assert badnodes.excluded(run_dir, slow=True) == ["node2"]
+    assert "ignoring" in caplog.text and "slow_nodes" in caplog.text
+    res = run_bounded(launcher.cwd, "ddp_slurm.submit", "--dry-run", "--name", "r", "slurm.exclude_slow=true")
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "#SBATCH --exclude=node2" in res.stdout, res.stdout[-2000:]
+    assert victim.read_text() == VICTIM

@@ -92,13 +92,17 @@ def record(
 
 def excluded(run_dir: Path, slow: bool = False) -> list[str]:
     """The hosts ``<run_dir>/lost_nodes`` names (and ``slow_nodes``, with ``slow``: ``slurm.exclude_slow``),
-    first loss first, each once ([] without the file). Raises ``safefs.UnsafePath`` when it is not a file this
-    program wrote (a symlink, FIFO, device, too large, a line whose host is not a Slurm host name): nothing
-    from it may reach scontrol or sbatch then."""
+    first loss first, each once ([] without the file). Raises ``safefs.UnsafePath`` when ``lost_nodes`` is not
+    a file this program wrote (a symlink, FIFO, device, too large, a line whose host is not a Slurm host
+    name): nothing from it may reach scontrol or sbatch then. A damaged ``slow_nodes`` (a hint the doctor or
+    the slow-rank check wrote) is one warning and left out."""
     paths = RunPaths(run_dir)
-    hosts = []
-    for path in (paths.lost_nodes, paths.slow_nodes) if slow else (paths.lost_nodes,):
-        hosts += _hosts(path)
+    hosts = _hosts(paths.lost_nodes)
+    if slow:
+        try:
+            hosts += _hosts(paths.slow_nodes)
+        except (safefs.UnsafePath, OSError) as exc:  # a hint, not a record: a damaged one costs a warning
+            log.warning("ignoring %s (slurm.exclude_slow): %s", paths.slow_nodes, exc)
     return list(dict.fromkeys(hosts))
 
 
