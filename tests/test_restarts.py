@@ -6,9 +6,14 @@ does not wait for a vanished node."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
+from conftest import base_env
 
 from ddp_slurm import config
 from ddp_slurm.distributed.flightrec import launch_prefix
@@ -163,3 +168,22 @@ def test_an_srun_left_waiting_for_a_vanished_node_is_ended_once_the_survivors_re
     took = time.monotonic() - start
     writer.join()
     assert status == EXIT_FAILURE and took < 30, (status, took)  # ended, not waited for
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "says"),
+    [
+        ([], {}, "runs inside a Slurm job only"),
+        ([], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS_PER_NODE": "x"}, "tasks-per-node"),
+        ([], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[0-9999][0-9999]"}, "n[0-9999][0-9999]"),
+        (["--torchrun", "-1"], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}, "argument --torchrun"),
+    ],
+)
+def test_the_supervisor_refuses_what_is_no_job_of_slurm_s_in_one_line(argv, environ, says) -> None:
+    """Outside a job it was ``KeyError: 'SLURM_JOB_ID'``; a forged ``SLURM_NTASKS_PER_NODE`` or a node list past the
+    cap a traceback; ``--torchrun -1`` an AssertionError in every task, retried 3 times."""
+    env = base_env(**environ)
+    cmd = [sys.executable, "-m", "ddp_slurm.launch.supervise", *argv, "--", sys.executable, "-m", "ddp_slurm.train"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+    assert says in res.stderr, res.stderr

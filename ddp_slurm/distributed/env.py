@@ -142,7 +142,7 @@ def _expand_range(body: str, text: str) -> list[str]:
     return values
 
 
-def _tasks_per_node(name: str, text: str) -> list[int]:
+def tasks_per_node(name: str, text: str) -> list[int]:
     """Parse Slurm's compact tasks-per-node syntax: ``2(x3),1`` -> ``[2, 2, 2, 1]``."""
     counts: list[int] = []
     for item in text.split(","):
@@ -347,7 +347,7 @@ def _slurm_layout(environ: Mapping[str, str]) -> Layout:
         if nodes is not None and nodes[1] != 1:
             raise BootstrapError(f"{nodes[0]}={nodes[1]} but SLURM_STEP_TASKS_PER_NODE is not set")
         per_node_var, nodes = (world[0], str(world[1])), nodes or ("SLURM_NNODES", 1)
-    counts = _tasks_per_node(*per_node_var)
+    counts = tasks_per_node(*per_node_var)
     nodes = nodes or (per_node_var[0], len(counts))
     if len(counts) != nodes[1] or sum(counts) != world[1]:
         raise BootstrapError(

@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_slurm import safefs
+from ddp_slurm import argtypes, errors, safefs
 from ddp_slurm.distributed import flightrec
-from ddp_slurm.distributed.env import PORT_BASE, PORT_SPAN, derive_port, expand_hostlist
-from ddp_slurm.exitcodes import EXIT_FAILURE
+from ddp_slurm.distributed.env import PORT_BASE, PORT_SPAN, derive_port, expand_hostlist, tasks_per_node
+from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.slurmjob import badnodes, jobinfo, restarts, slurm
 
@@ -190,15 +190,20 @@ def _command(train: list[str], nodes: tuple[str, ...], torchrun: int, port: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddp_slurm.launch.supervise", description=__doc__.splitlines()[0])
+    p = argtypes.OneLineParser(prog="python -m ddp_slurm.launch.supervise", description=__doc__.splitlines()[0])
     p.add_argument(
         "--torchrun",
-        type=int,
+        type=argtypes.integer(0, 1024),
         default=0,
         metavar="NPROC",
         help="one task per node, each torchrun (python -m ddp_slurm.launch) starting NPROC ranks",
     )
-    p.add_argument("--rdzv-port", type=int, default=29400, help="torchrun's rendezvous port (with --torchrun)")
+    p.add_argument(
+        "--rdzv-port",
+        type=argtypes.integer(1, 65535),
+        default=29400,
+        help="torchrun's rendezvous port (with --torchrun)",
+    )
     p.add_argument(
         "--submitit",
         metavar="TRAIN_ARGS",
@@ -209,12 +214,35 @@ def main(argv: list[str] | None = None) -> int:
         "train", nargs=argparse.REMAINDER, help="-- PYTHON -m ddp_slurm.train [--config FILE] [KEY=VALUE ...]"
     )
     args = p.parse_args(argv)
+    try:
+        return _supervise(args)
+    except errors.UsageError as exc:  # outside a job, forged Slurm variables: one line, never a traceback
+        sys.stderr.write(f"{p.prog}: error: {exc}\n")
+        return EXIT_USAGE
+
+
+def _job_environment() -> tuple[str, tuple[str, ...], int]:
+    """(job id, its nodes, srun's tasks per node) from Slurm's variables; UsageError naming the one missing or
+    not Slurm's (a forged value, a node list past the cap: ``distributed.env``'s own checks)."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    listed = os.environ.get("SLURM_JOB_NODELIST", "")
+    if not job.isdigit() or not listed:
+        raise errors.UsageError(
+            "runs inside a Slurm job only (the batch script's training step): SLURM_JOB_ID and SLURM_JOB_NODELIST "
+            "are not both set; outside Slurm use python -m ddp_slurm.launch"
+        )
+    name = "SLURM_NTASKS_PER_NODE" if os.environ.get("SLURM_NTASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    per_node = tasks_per_node(name, os.environ.get(name) or "1")
+    return job, tuple(expand_hostlist(listed)), per_node[0]
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    job, listed, per_node = _job_environment()
     train = args.train[1:] if args.train[:1] == ["--"] else args.train
     given = train  # what each launch runs: the training command, or submitit's srun arguments and command
     if args.submitit is not None:
         train = [sys.executable, "-m", "ddp_slurm.train", *shlex.split(args.submitit)]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    job = os.environ["SLURM_JOB_ID"]
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
     port = args.rdzv_port
 
@@ -228,13 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         run_dir, cfg = _run_dir(train)
     except Exception as exc:  # a config the step will refuse itself, in its own words: run it once, as srun would
         log.info("job %s: not supervising the training step (%s)", job, str(exc).splitlines()[0])
-        step = launch(tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"])), 0)
+        step = launch(listed, 0)
         return subprocess.run(["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}", *step]).returncode
     paths = RunPaths(run_dir)
-    per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
-    tasks = 1 if args.torchrun else int(per_node.split("(")[0].split(",")[0] or 1)  # srun's tasks per node
+    tasks = 1 if args.torchrun else max(per_node, 1)  # srun's tasks per node
     ranks = args.torchrun or tasks  # training ranks per node
-    nodes = _live_nodes(job) or tuple(expand_hostlist(os.environ["SLURM_JOB_NODELIST"]))
+    nodes = _live_nodes(job) or listed
     spare = cfg.slurm.spare_nodes
     if spare:
         if spare >= len(nodes):
