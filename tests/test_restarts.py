@@ -23,6 +23,7 @@ from ddp_slurm.slurmjob.restarts import (
     MAX_LAUNCH_RETRIES,
     Step,
     decide,
+    first_nodes,
     launch_label,
     node_count,
     splits_over,
@@ -187,3 +188,20 @@ def test_the_supervisor_refuses_what_is_no_job_of_slurm_s_in_one_line(argv, envi
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert says in res.stderr, res.stderr
+
+
+def test_one_rule_for_the_node_counts_that_train_spares_and_slow_nodes_included() -> None:
+    """4 nodes with ``slurm.spare_nodes=1`` (or one slow node left out) leave 3, over which a global batch of 64
+    does not split: the job once ended without training. ``submit`` now refuses it before the queue, and the
+    supervisor's first launch trains on the most nodes that split, as every relaunch does."""
+    cfg = config.load(None, ["slurm.nodes=4", "slurm.spare_nodes=1"])
+    with pytest.raises(config.ConfigError, match=r"\(3 of 4 node\(s\) train, 1 spare, x 1 task\(s\)\)"):
+        config.check_node_range(cfg, 1)
+    config.check_node_range(config.with_overrides(cfg, ["slurm.nodes=5"]), 1)  # 4 train, 1 waits
+    with pytest.raises(config.ConfigError, match="slurm.spare_nodes=2 leaves none of 2 node"):
+        config.check_node_range(config.with_overrides(cfg, ["slurm.nodes=2", "slurm.spare_nodes=2"]), 1)
+    fits = splits_over(cfg, 1)
+    assert first_nodes(("n1", "n2", "n3"), fits) == (("n1", "n2"), ("n3",))  # a slow node out of 4: 2 train
+    assert first_nodes(("n1", "n2", "n3", "n4"), fits) == (("n1", "n2", "n3", "n4"), ())
+    odd = config.load(None, ["train.global_batch_size=63"])
+    assert first_nodes(("n1", "n2"), splits_over(odd, 2)) == ((), ("n1", "n2"))

@@ -382,12 +382,26 @@ def _micro_batches(g: int, counts: range, tasks_per_node: int) -> list[int]:
 def check_node_range(cfg: Config, tasks_per_node: int) -> None:
     """Every node count the job may start on (``slurm.min_nodes`` to ``slurm.nodes``) keeps the global batch with
     one per-rank micro-batch (``train.micro_batch_size``): ConfigError naming the first count that does not, and
-    a value that fits every count. ``submit`` checks it before the job queues."""
+    a value that fits every count. ``submit`` checks it before the job queues. The counts are those that train:
+    ``slurm.spare_nodes`` of the allocation wait (the supervisor's rule, ``slurmjob/restarts.py``)."""
     lo, hi = cfg.slurm.node_span
     if lo > hi:
         raise ConfigError(
             f"slurm.min_nodes={lo} is more than slurm.nodes={hi}: ask for --nodes MIN-MAX with MIN <= MAX"
         )
+    spare = cfg.slurm.spare_nodes
+    if spare and lo - spare < 1:
+        raise ConfigError(
+            f"slurm.spare_nodes={spare} leaves none of {lo} node(s) to train on: ask for {lo + 1}-{hi + spare} "
+            "node(s), or fewer spares"
+        )
+    if spare and lo == hi:
+        train = (hi - spare) * tasks_per_node
+        check_world_size(
+            cfg, train, f" ({hi - spare} of {hi} node(s) train, {spare} spare, x {tasks_per_node} task(s))"
+        )
+        return
+    lo, hi = lo - spare, hi - spare  # the nodes that train: the spares wait until one is lost
     g = cfg.train.global_batch_size
     counts = range(lo, hi + 1)
     if lo < hi and cfg.train.micro_batch_size is None:

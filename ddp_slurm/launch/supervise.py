@@ -277,6 +277,23 @@ def _supervise(args: argparse.Namespace) -> int:
     if avoid and [n for n in nodes if n not in avoid]:
         log.info("job %s: leaving out %s (slurm.exclude_slow)", job, ",".join(n for n in nodes if n in avoid))
         nodes = tuple(n for n in nodes if n not in avoid)
+    nodes, waiting = restarts.first_nodes(nodes, restarts.splits_over(cfg, ranks))  # the relaunch's rule, at start too
+    if not nodes:
+        log.error(
+            "job %s: the global batch splits over none of 1-%d node(s) x %d rank(s) left to train on; "
+            "ask for a node count it splits over",
+            job,
+            len(waiting),
+            ranks,
+        )
+        return EXIT_USAGE
+    if waiting:
+        log.warning(
+            "job %s: training on %s, the most nodes the global batch splits over; %s wait",
+            job,
+            ",".join(nodes),
+            ",".join(waiting),
+        )
     launches = 0
     while True:
         before_lost, before_starts = len(_lost_lines(paths.lost_nodes)), _starts(paths.metrics)

@@ -63,6 +63,13 @@ def node_count(available: int, fits: Callable[[int], bool]) -> int:
     return next((n for n in range(available, 0, -1) if fits(n)), 0)
 
 
+def first_nodes(nodes: Sequence[str], fits: Callable[[int], bool]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the nodes the first launch trains on, those that wait): the most of ``nodes`` (spares and slow nodes
+    already left out) that ``fits``, the rule every relaunch follows too; ((), nodes) when none fits."""
+    n = node_count(len(nodes), fits)
+    return tuple(nodes[:n]), tuple(nodes[n:])
+
+
 def splits_over(cfg: Config, ranks_per_node: int) -> Callable[[int], bool]:
     """``fits`` for ``decide``: whether the global batch splits over that many nodes, by the rule training
     itself refuses a world size with (``config.check_world_size``, ``train.micro_batch_size`` included)."""
