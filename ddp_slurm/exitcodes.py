@@ -69,12 +69,16 @@ def _own_file() -> Path | None:
     return Path(folder, str(os.getpid())) if folder else None
 
 
+STARTED = "started"
+"""What a worker's file holds until its exit code replaces it."""
+
+
 def started() -> None:
     """A worker: note that this process runs (its code follows at exit)."""
     path = _own_file()
     if path is not None:
         try:
-            path.write_text("started")
+            path.write_text(STARTED)
         except OSError:  # the launcher's folder is gone: it only loses the exit-75 pass-through
             pass
 

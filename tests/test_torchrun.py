@@ -87,6 +87,28 @@ def test_ctrl_c_to_the_launcher_exits_75_and_the_run_resumes_with_its_own_config
     assert rows(run_dir)[-1]["kind"] == "end"
 
 
+def test_a_mashed_ctrl_c_still_exits_75_after_the_workers_checkpoint(launcher, tmp_path):
+    """Ctrl-C pressed three times in a row (SIGINT to the terminal's whole process group, 5 ms apart) once
+    exited 130, its line before the workers' checkpoint line: a wrapper that resumes on 75 would not resume.
+    The launcher now waits for its workers' own exits, and says so after their stop line."""
+    run_dir = tmp_path / "runs" / "mash"
+    proc = torchrun(launcher, "ddp_slurm.launch", *MLP, "run.name=mash")
+    wait_for_training(proc, run_dir)
+    for _ in range(3):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.005)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == train.EXIT_STOPPED, out
+    lines = out.splitlines()
+    said = next(i for i, line in enumerate(lines) if "interrupted: every worker stopped after a checkpoint" in line)
+    stopped = next(
+        i for i, line in enumerate(lines) if re.search(r"stopped on signal at step \d+ with a checkpoint", line)
+    )
+    assert stopped < said, out
+    [stop] = [r for r in rows(run_dir) if r["kind"] == "stop"]
+    assert checkpoint.load_latest(run_dir)["step"] == stop["step"]
+
+
 def test_a_worker_failure_ends_in_one_line_with_the_worker_s_exit_code(launcher):
     """A worker that fails (here a config error, exit 2): its own line, then one line from the launcher
     naming the rank and the file with torchrun's full report, no traceback; the exit status is the worker's."""

@@ -40,6 +40,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
@@ -132,6 +133,29 @@ def _failed(exc) -> int:
     return code
 
 
+WORKER_STOP_WAIT_S = 120.0
+"""How long a launcher interrupted by Ctrl-C waits for its workers' own exits (their stop checkpoint)."""
+
+
+def _await_workers(exit_dir: Path, expected: int | None, limit_s: float = WORKER_STOP_WAIT_S) -> None:
+    """After Ctrl-C: until every local worker has exited (its code in ``exit_dir``), at most ``limit_s``. A
+    second Ctrl-C pressed at once (a mashed key, the terminal's whole group) interrupts torchrun's own wait
+    for them: the agent would say 130 while they still checkpoint. Further SIGINTs are ignored meanwhile (the
+    workers have them already); SIGTERM or SIGKILL still end the launcher."""
+    if expected is None:
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            found = exitcodes.codes(exit_dir)  # STARTED until a worker writes its exit code
+            if len(found) >= expected and exitcodes.STARTED not in found:
+                break
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _local_workers(args) -> int | None:
     """Workers this node's agent starts (``--nproc-per-node N``), None where torchrun decides (``auto``, ``gpu``)."""
     n = str(getattr(args, "nproc_per_node", ""))
@@ -208,6 +232,8 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
             # SIGTERM & co. (a requeue, a preemption, scancel): torchrun has already passed it on to the
             # workers and waited for them, which checkpoint on SIGTERM. One line instead of a traceback.
             sig = signal.Signals(exc.sigval)
+            if sig == signal.SIGINT:
+                _await_workers(exit_dir, _local_workers(args))
             if sig == signal.SIGINT and exitcodes.all_stopped(exit_dir, _local_workers(args), EXIT_STOPPED):
                 log.info(
                     "interrupted: every worker stopped after a checkpoint; exit %d (rank 0's line above names the "
