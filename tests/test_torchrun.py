@@ -256,3 +256,14 @@ def test_script_runs_a_task_with_its_own_defaults_as_docs_tasks_says(script, tmp
     assert "--config" not in started("task=my_project.tasks:Digits", "train.epochs=5")
     assert f"--config {REPO / 'jobs' / 'mnist.yaml'}" in started()
     assert "--config mine.yaml" in started("--config", "mine.yaml", "train.epochs=5")
+
+
+def test_no_omp_banner_opens_a_launch(launcher, tmp_path):
+    """torchrun's five-line OMP_NUM_THREADS banner opened every launch: the launcher makes its choice (one
+    thread per worker of several) itself, quietly, and a value the user set is kept."""
+    env = base_env()
+    env.pop("OMP_NUM_THREADS")
+    cmd = [sys.executable, "-m", "ddp_slurm.launch", "--standalone", "--nproc_per_node", "2", "-m", "ddp_slurm.train"]
+    res = launcher.run([*cmd, "model.name=mlp", "train.max_steps=2", "run.name=omp"], env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OMP_NUM_THREADS" not in res.stdout + res.stderr

@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
         names = ", ".join(signal.Signals(s).name for s in early.received)
         log.info("%s before any worker started: nothing to save; exit %d (launch again)", names, EXIT_STOPPED)
         return EXIT_STOPPED
+    workers = _local_workers(parsed)
+    if "OMP_NUM_THREADS" not in os.environ and workers is not None and workers > 1:
+        # torchrun's own choice for several workers (one thread each), made here so that its five-line banner
+        # does not open every launch; set OMP_NUM_THREADS to give each worker more
+        os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory(prefix="ddp-slurm-exits-") as exit_dir:
         os.environ[exitcodes.EXIT_DIR_ENV] = exit_dir  # the workers inherit it (see exitcodes.py)
         return launch(parsed, Path(exit_dir))
