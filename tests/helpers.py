@@ -156,3 +156,13 @@ def resume(run_dir: Path, *args: object, env: dict[str, str] | None = None) -> s
     return subprocess.run(
         cmd, cwd=run_dir.parent.parent, env=env or base_env(), capture_output=True, text=True, timeout=600
     )
+
+
+def gpu_only(script: str) -> list:
+    """The ``pytestmark`` of a file of GPU tests: marked ``gpu``, skipped without CUDA, naming the script that
+    runs them on a GPU (``benchmarks/gpu_check.sh``, ``benchmarks/gpu_smoke.sh``)."""
+    import pytest
+    import torch
+
+    reason = f"needs a CUDA GPU (torch.cuda.is_available() is false); run {script} on one"
+    return [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)]

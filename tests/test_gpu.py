@@ -21,13 +21,7 @@ from ddp_slurm.train import loader
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
 from ddp_slurm.train.step import autocast
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (torch.cuda.is_available() is false); run benchmarks/gpu_check.sh on one",
-    ),
-]
+pytestmark = helpers.gpu_only("benchmarks/gpu_check.sh")
 
 
 def _rows(run_dir: Path) -> list[dict]:

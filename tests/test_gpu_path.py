@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,13 +34,7 @@ from ddp_slurm.train.optim import make_optimizer
 from ddp_slurm.train.signals import StopFlag
 from ddp_slurm.train.vote import StopVote
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (torch.cuda.is_available() is false); run benchmarks/gpu_check.sh on one",
-    ),
-]
+pytestmark = helpers.gpu_only("benchmarks/gpu_check.sh")
 
 
 def _rows(run_dir: Path) -> list[dict]:

@@ -21,19 +21,14 @@ import json
 import re
 import sys
 
+import helpers
 import pytest
 import torch
 from conftest import Launcher, base_env
 from test_gpu_path import _rows, _watched
 from test_gpu_stages import NAN_TASK
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (torch.cuda.is_available() is false); run benchmarks/gpu_smoke.sh on one",
-    ),
-]
+pytestmark = helpers.gpu_only("benchmarks/gpu_smoke.sh")
 
 SHORT = ["model.name=cnn", "train.max_steps=40", "train.log_every_steps=10"]
 

@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any
 
+import helpers
 import pytest
 import torch
 from conftest import Launcher, base_env
@@ -21,13 +22,7 @@ from test_gpu_path import _rows, _train_until
 
 from ddp_slurm.train import checkpoint
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (torch.cuda.is_available() is false); run benchmarks/gpu_check.sh on one",
-    ),
-]
+pytestmark = helpers.gpu_only("benchmarks/gpu_check.sh")
 
 RESUMABLE = ["model.name=cnn", "train.epochs=2", "train.deterministic=true", "train.log_every_steps=5"]
 

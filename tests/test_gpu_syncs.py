@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import pytest
+import helpers
 import torch
 
 from ddp_slurm.distributed import group
@@ -22,13 +22,7 @@ from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train import clock
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (torch.cuda.is_available() is false); run benchmarks/gpu_check.sh on one",
-    ),
-]
+pytestmark = helpers.gpu_only("benchmarks/gpu_check.sh")
 
 
 def test_the_slow_rank_clock_holds_few_events_and_reads_them_once_completed() -> None:
