@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,62 @@ def test_a_published_verdict_is_the_diagnosis_of_a_rank_whose_collective_fails_b
     error, count = dogs[0].explain(RuntimeError("Connection closed by peer [10.0.0.2]:4242"))
     dogs[0].stop()
     assert count == 1 and str(error).startswith("lost rank 2 (host node3, pid 9): no heartbeat for 8 s;"), error
+
+
+class Unanswered:
+    """A store whose host froze or vanished without closing its socket: from ``freeze()`` on, every operation waits
+    (until ``release()``, then fails as a store would)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.frozen, self.released = store, threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        op = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            if self.frozen.is_set():
+                self.released.wait()
+                raise RuntimeError("Connection reset by peer")
+            return op(*args)
+
+        return call
+
+
+def test_a_store_host_that_stops_answering_is_named_and_recorded_before_the_rank_ends() -> None:
+    """Rank 0 (the store's host under srun) frozen or its node gone: every store operation hangs, the heartbeat's
+    too, so no heartbeat verdict can come. The sentinel sees the operation wait and names rank 0 by the host it
+    read at start-up; the record comes before the end, and nothing waits for the store any more."""
+    import torch.distributed as dist
+
+    from ddp_slurm.slurmjob import badnodes
+
+    store = Unanswered(dist.PrefixStore("t/", dist.HashStore()))
+    dog = Watchdog(store, 1, 2, "node1:4711", interval_s=0.2, grace_s=0.8)
+    order: list[str] = []
+    ended: dict[int, tuple[str, int]] = {}
+    dog.after_beat = stall.StallCheck(
+        dog,
+        60,
+        # the default on_lost lingers for the others to read the verdict: not on a store that never answers
+        lambda error, n: (order.append("end"), dog.linger(n), ended.setdefault(1, (str(error), n))),
+        lambda error: order.append("record:" + ",".join(badnodes.lost(error).values())),
+    )
+    dog._rank0 = "node1 4711"  # read from the store at start-up, while rank 0 lived
+    dog.start()
+    dog.progress(3)
+    store.frozen.set()
+    try:
+        wait_for(ended, [1], timeout=stall.STORE_LOST_S + 10)
+    finally:
+        store.released.set()
+        dog.stop()
+    [(text, count)] = ended.values()
+    assert count == 1 and re.match(
+        r"lost rank 0 \(host node1, pid 4711, store at node1:4711\): the rendezvous store it hosted does not answer "
+        r"\(waited \d+ s\); this rank waited",
+        text,
+    ), text
+    assert order == ["record:node1", "end"], order
 
 
 def test_a_rank_whose_training_thread_is_stuck_is_named_with_its_step() -> None:

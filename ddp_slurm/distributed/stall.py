@@ -23,8 +23,11 @@ when no RST arrives. This check runs on every rank's heartbeat thread instead, i
   file (``flightrec``: what NCCL's watchdog would have dumped), and ends with the one-line
   :class:`~ddp_slurm.distributed.watchdog.PeerLost` error (``os._exit``: its training thread is blocked
   inside the backend);
-* not covered: the store's own host (rank 0 under srun) frozen or vanished. A store operation then blocks
-  beyond its timeout, heartbeat thread included; Slurm's node timeout (``SlurmdTimeout``) ends the step.
+* the store's own host (rank 0 under srun, the torchrun agent) frozen or vanished: every store operation
+  then blocks, the heartbeat's too, past its timeout. A sentinel thread per rank sees the heartbeat's
+  operation wait ``STORE_LOST_S`` while training does not move, and ends the rank the same way, naming rank 0
+  (its host read at start-up); under the project's batch scripts that host usually runs the supervisor too,
+  so the record requeues the job without it (``chain.after_peer_lost``).
 
 A rank that hangs inside a step (a GPU hang in its forward) reports the same step as the ranks
 waiting for it inside that step's all-reduce. So while it waits, each rank also publishes where its
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 LEAD = "stall/lead"  # store counter: the rank that brings it to 1 looks; reset to 0 when it found nobody
 AT = "stall/at/"  # + rank: where that rank's training thread stands, published while it waits
 LOOK_S = 3.0  # no progress for this long: look for a lost rank (a dead heartbeat is a verdict whatever a step takes)
+STORE_LOST_S = 8.0  # a store operation waiting this long (its own timeout is 5 s): the store's host is gone
 
 
 def deadline_s(timeout_s: float) -> float:
@@ -173,10 +177,13 @@ class StallCheck:
         self.on_lost = on_lost or exit_on_lost(dog)
         self.before_exit = before_exit
         self.done = False
+        self._ending = threading.Lock()  # the heartbeat thread and the sentinel may both find a verdict: one ends
         self.training_thread = threading.get_ident()
         self._published = ""
         self._next_look = self._next_warning = 0.0
         self._seen: dict[int, str | None] = {}  # the heartbeats this rank read when it judged
+        # the heartbeat thread cannot see its own store operation hang: this one can (a daemon, sleeping mostly)
+        threading.Thread(target=self._sentinel, name="ddp_slurm-stall-sentinel", daemon=True).start()
 
     def __call__(self) -> None:
         dog = self.dog
@@ -212,6 +219,17 @@ class StallCheck:
         dog._op("add", "seen", 1)  # this rank knows it: the store's host lingers only for the others
         self._end(len(found), text, idle)
 
+    def _sentinel(self) -> None:
+        dog = self.dog
+        while not (self.done or dog._stop.wait(dog.interval_s)):
+            blocked, idle = dog.op_blocked_s(), time.monotonic() - dog.moved
+            if blocked < STORE_LOST_S or idle < self.look_s or dog._progress < 0 or dog.failing or self.done:
+                continue
+            dog.store_gone = True  # from here on nothing may wait for the store: the lock is held by its operation
+            owner = dog._store_owner()
+            self._end(1, f"lost {owner}: the rendezvous store it hosted does not answer (waited {blocked:.0f} s)", idle)
+            return
+
     def _places(self) -> str:
         """``: rank 2 (host h, pid p) is at X while ranks 0, 1 are at Y`` when the ranks stand apart."""
         dog, by_place = self.dog, defaultdict(list)
@@ -234,6 +252,8 @@ class StallCheck:
         )
 
     def _end(self, count: int, text: str, idle: float) -> None:
+        if not self._ending.acquire(blocking=False):
+            return
         self.done = True
         dog = self.dog
         # The training thread may fail meanwhile (gloo: the leaving survivors close their sockets): its diagnosis

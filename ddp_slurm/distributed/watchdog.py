@@ -84,6 +84,8 @@ class Watchdog:
         self._progress = -1  # the step the training thread last reported (-1: none yet), in the heartbeat
         self.moved = time.monotonic()  # when it last changed
         self.failing = False  # the training thread is diagnosing a failure itself (explain)
+        self._op_since = 0.0  # monotonic start of the store operation under way (0: none)
+        self.store_gone = False  # its host does not answer (an operation blocked): nothing more is asked of it
         self.after_beat: Callable[[], None] | None = None  # run on the heartbeat thread after each beat
         self._thread = threading.Thread(target=self._beat_forever, name="ddp_slurm-heartbeat", daemon=True)
 
@@ -146,7 +148,17 @@ class Watchdog:
 
     def _op(self, name: str, *args: Any) -> Any:
         with self._lock:
-            return getattr(self.store, name)(*args)
+            self._op_since = time.monotonic()
+            try:
+                return getattr(self.store, name)(*args)
+            finally:
+                self._op_since = 0.0
+
+    def op_blocked_s(self) -> float:
+        """How long the store operation under way has waited (0: none). A store whose host froze or vanished
+        without closing its socket never answers: some operations then wait past their own timeout, for good."""
+        since = self._op_since
+        return time.monotonic() - since if since else 0.0
 
     # -- diagnosis ------------------------------------------------------------------------------
     def _read(self, ranks: list[int]) -> dict[int, str | None]:
@@ -251,6 +263,8 @@ class Watchdog:
         """Stay until every survivor's heartbeat has picked up the verdict (about one heartbeat interval;
         bounded): on the store's host, to keep the store up; on a rank the stall check ends, so that no survivor
         sees its collective fail (this rank's sockets closing) before it knows why."""
+        if self.store_gone:
+            return
         survivors = self.world_size - lost
         deadline = time.monotonic() + 4 * self.interval_s + 5
         with contextlib.suppress(Exception):

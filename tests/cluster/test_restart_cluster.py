@@ -26,6 +26,11 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
            the global batches equal those of the run left alone (``reference``); each launch a fresh MASTER_PORT
            and its own trace files.
 
+``headless`` 2 nodes, requeue on: node1, which runs the batch script, its supervisor and rank 0 (the rendezvous
+           store's host), is powered off. Every store operation hangs, so no heartbeat can judge; the survivor's
+           sentinel sees its store operation wait, names rank 0's host, records it and, the supervisor being gone
+           with it, requeues the job without node1 itself (else Slurm leaves a zombie job: its batch host dead).
+
 ``torchrun`` sbatch/mnist_torchrun.sh on 3 nodes (one agent each, one rank per agent): node3 set DOWN mid-run;
            the agents are launched again on node1 and node2 with a fresh rendezvous, world size 2, to the end.
 
@@ -36,7 +41,7 @@ relaunches the training step on the nodes left, from the newest checkpoint: the 
            (cgroup v1 ``cpu.cfs_quota_us``); within ``slurm.slow_windows=3`` log windows it is named with its
            host: a warning, a ``slow`` line, ``slow_nodes``. The ``drained`` run beside it (quiet) names nobody.
 
-``down``, ``drained``, ``silent``, ``torchrun`` and ``submitted`` run first, one at a time (a DOWN node ends every job's step on
+``down``, ``drained``, ``silent``, ``headless``, ``torchrun`` and ``submitted`` run first, one at a time (a DOWN node ends every job's step on
 it); then ``spare``, ``capped`` and ``slowed`` together.
 Every rank has one CPU, so runs are bit-for-bit repeatable.
 """
@@ -180,6 +185,29 @@ def run_silent(d: Driver) -> dict[str, Any]:
     return out
 
 
+def run_headless(d: Driver) -> dict[str, Any]:
+    job = submit(d, Job("headless", d.workdir), 2, "train.epochs=100", sbatch=("--nodelist=node1,node2",))
+    d.wait_for(job, "two checkpoints", lambda: len(checkpoint.list_checkpoints(job.run_dir)) >= 2)
+    d.cluster.power_off("node1")
+    lost = time.monotonic()
+    try:
+
+        def requeued() -> dict[str, str] | None:
+            info = d.cluster.job_info(job.job_id)
+            return info if info["Restarts"] == "1" and info.get("ExcNodeList") == "node1" else None
+
+        out = {"job": job, "requeued": d.wait_for(job, "the requeue without node1", requeued)}
+        out["again"] = time.monotonic() - lost  # to the requeue: the job runs again once Slurm starts it
+    finally:  # an admin's part: Slurm gives the node up now, not after its node timeout, and the job can end
+        d.cluster.run(["scontrol", "update", "NodeName=node1", "State=DOWN", "Reason=test"], timeout=30)
+        d.cluster.cancel(job.job_id)
+        try:
+            d.finish(job)
+        finally:
+            d.cluster.power_on("node1")
+    return out
+
+
 def run_torchrun(d: Driver) -> dict[str, Any]:
     job = Job("torchrun", d.workdir)
     args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "train.epochs=1"]
@@ -282,7 +310,8 @@ def run_capped(d: Driver) -> dict[str, Any]:
 def scenarios(slurm_cluster, tmp_path_factory) -> dict[str, Any]:
     d = Driver(slurm_cluster, tmp_path_factory.mktemp("restart"))
     try:
-        out = {"down": run_down(d), "drained": run_drained(d), "silent": run_silent(d), "torchrun": run_torchrun(d)}
+        out = {"down": run_down(d), "drained": run_drained(d), "silent": run_silent(d), "headless": run_headless(d)}
+        out["torchrun"] = run_torchrun(d)
         out["submitted"] = run_submitted(d)
         with ThreadPoolExecutor(max_workers=3, thread_name_prefix="restart-job") as pool:
             spare, capped, slowed = pool.submit(run_spare, d), pool.submit(run_capped, d), pool.submit(run_slowed, d)
@@ -320,6 +349,24 @@ def test_a_node_set_down_the_step_runs_again_on_the_nodes_left_bit_identically(s
     res = resume(copy, "--step", resumed_at, "--nproc-per-node", 3, env=base_env(OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr
     assert same_weights(job.run_dir, copy)
+
+
+def test_the_batch_host_lost_silently_its_survivor_names_it_and_requeues_the_job_without_it(scenarios, record_property):
+    """Its log died with node1 (the batch script's output goes through it): lost_nodes, the flight-recorder file the
+    survivor wrote on node2, and Slurm's own record of the requeue tell it."""
+    out = scenarios["headless"]
+    job = out["job"]
+    record_property("seconds_to_requeue", round(out["again"], 1))
+    [line] = [line.split("\t") for line in (job.run_dir / "lost_nodes").read_text().splitlines()]
+    assert (line[0], line[2], line[4]) == ("node1", "0", "1"), line
+    assert re.fullmatch(
+        r"lost rank 0 \(host node1, pid \d+, store at node1:\d+\): the rendezvous store it hosted does not answer "
+        r"\(waited \d+ s\)",
+        line[5],
+    ), line
+    assert out["requeued"]["Restarts"] == "1" and out["requeued"]["ExcNodeList"] == "node1", out["requeued"]
+    dumped = traces(job, "0")
+    assert set(dumped) == {1} and dumped[1]["ddp_slurm"]["verdict"] == line[5], dumped
 
 
 def test_under_torchrun_the_agents_are_launched_again_on_the_nodes_left(scenarios):
