@@ -31,13 +31,8 @@
 # say which failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=0
-if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
+. benchmarks/gpu_prelude.sh  # DRY, PY, PYTHONPATH; the arguments after --dry-run in ARGS
+set -- "${ARGS[@]}"
 
 if [ "$DRY" -eq 1 ]; then
     OUT_DIR=${1:-OUTPUT_DIR}

@@ -23,13 +23,8 @@
 # Exit 1 when a stage failed or torch sees no GPU. benchmarks/gpu_check.sh is the long version.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=0
-if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
+. benchmarks/gpu_prelude.sh  # DRY, PY, PYTHONPATH; the arguments after --dry-run in ARGS
+set -- "${ARGS[@]}"
 
 GPU=1
 if [ "$DRY" -eq 1 ]; then
