@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from ddp_slurm import hostmem, safefs
 from ddp_slurm.exitcodes import EXIT_USAGE
+from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.text import CONTROL, shown
 
 MAX_TIMEOUT_S = 1e7  # as dist.timeout_s: beyond it, timers and timedeltas overflow
@@ -158,7 +159,7 @@ def run_dir(text: str) -> Path:
     """An existing run directory (one that holds ``config.yaml``) that takes new files: a mistyped name is
     refused, never created."""
     path = output_dir(text)
-    if not (path / "config.yaml").is_file():
+    if not RunPaths(path).config.is_file():
         raise argparse.ArgumentTypeError(f"{text!r} is not a run directory (no config.yaml in it): name runs/<name>")
     return path
 
