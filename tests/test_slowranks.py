@@ -113,22 +113,24 @@ def rank_pid(name: str, rank: int) -> int | None:
 
 
 def slowed(pid: int, stop: threading.Event) -> None:
-    """Stop the process for 20 ms of every 30 ms (a node starved of CPU), until ``stop``."""
+    """Stop the process for 45 ms of every 50 ms (a node starved of CPU: about 10x slower), until ``stop``."""
     while not stop.is_set():
         try:
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.02)
+            time.sleep(0.045)
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             return
-        time.sleep(0.01)
+        time.sleep(0.005)
 
 
 def test_a_rank_slowed_is_named_with_its_host_and_a_quiet_run_names_nobody(launcher: Launcher) -> None:
     quiet = launcher.run(launcher.cmd_torchrun(2, *RUN, "train.epochs=1", "run.name=quiet"), check=True)
     assert not [r for r in metrics.read(launcher.cwd / "runs" / "quiet" / "metrics.jsonl") if r["kind"] == "slow"]
     assert "is slow" not in quiet.stderr
-    proc = launcher.popen(launcher.cmd_torchrun(2, *RUN, "train.epochs=100", "run.name=slow"))
+    # A factor of 4 for the slowed run: a 10x slowdown is named, a busy machine's 2-3x jitter on rank 0 is not.
+    slow = ("train.epochs=100", "slurm.slow_factor=4", "run.name=slow")
+    proc = launcher.popen(launcher.cmd_torchrun(2, *RUN, *slow))
     stop = threading.Event()
     try:
         deadline = time.monotonic() + 120
@@ -151,7 +153,7 @@ def test_a_rank_slowed_is_named_with_its_host_and_a_quiet_run_names_nobody(launc
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     [line] = named
-    assert (line["rank"], line["host"]) == (1, socket.gethostname()) and line["ratio"] > 1.5, line
+    assert (line["rank"], line["host"]) == (1, socket.gethostname()) and line["ratio"] > 4, line
     assert f"rank 1 (host {socket.gethostname()}) is slow" in out, out[-3000:]
     assert badnodes.excluded(launcher.cwd / "runs" / "slow", slow=True) == [socket.gethostname()]
     assert badnodes.excluded(launcher.cwd / "runs" / "slow") == []  # a slow node is not a lost one
