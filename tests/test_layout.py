@@ -201,3 +201,17 @@ def test_the_strategy_is_decided_in_one_place() -> None:
                 if {"ddp", "fsdp"} & set(texts) or "strategy" in attrs:
                     found.append(f"{rel}:{node.lineno}")
     assert found == []
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_450_lines() -> None:
+    """A module longer than this holds more than one concern: split it by concern into a sibling module (the
+    names its importers use re-exported where they expect them)."""
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent).as_posix()} ({count} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert offenders == []

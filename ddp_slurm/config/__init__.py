@@ -1,7 +1,9 @@
 """Typed run configuration: dataclasses, YAML files and dotted ``KEY=VALUE`` overrides.
 
-- ``schema.py``: every section as a dataclass; each key declared once, on its field (type, default,
-  docstring, and through ``checked`` its value check, resumability, YAML key and ``submit`` flags);
+- ``schema.py``: the whole ``Config``, the runtime's sections and the task's; each key declared once, on
+  its field (type, default, docstring, and through ``checked`` its value check, resumability, YAML key and
+  ``submit`` flags), the runtime's sections in ``sections.py`` (``run``, ``train``, ``eval``, ``checkpoint``,
+  ``guard``) and ``placement.py`` (``dist``, ``slurm``, ``log``);
 - ``files.py``: a config file read safely and written atomically; a run's ``config.yaml`` read back as the
   mapping it holds (``read_saved``, ``dump``);
 - ``loading.py``: defaults, then a file, then overrides, each value checked (``load``); the task imported
@@ -36,23 +38,10 @@ from ddp_slurm.config.loading import (
     value_of,
     with_overrides,
 )
+from ddp_slurm.config.placement import SLURM_WORD, DistConfig, LogConfig, SlurmConfig
 from ddp_slurm.config.relaunch import changed_config, changes_from, incompatible_changes
-from ddp_slurm.config.schema import (
-    RUN_NAME,
-    RUNTIME_SECTIONS,
-    SLURM_WORD,
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    DistConfig,
-    EvalConfig,
-    LogConfig,
-    RunConfig,
-    SlurmConfig,
-    TrainConfig,
-    checked,
-    task_class,
-)
+from ddp_slurm.config.schema import RUNTIME_SECTIONS, Config, ConfigError, task_class
+from ddp_slurm.config.sections import RUN_NAME, CheckpointConfig, EvalConfig, RunConfig, TrainConfig, checked
 
 __all__ = [
     "CONTROL",

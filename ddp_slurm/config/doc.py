@@ -1,7 +1,8 @@
 """The resolved config as YAML, optionally explained: each key with the docstring its dataclass field carries.
 
 ``python -m ddp_slurm.train --print-config [--explain]`` prints it; this is the config reference (the
-docstrings in ``ddp_slurm/config/schema.py`` are its only source, so it cannot drift from the code).
+docstrings in ``ddp_slurm/config/sections.py``, ``placement.py`` and ``schema.py`` are its only source, so it
+cannot drift from the code).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``submit``'s resource flags, read from the fields of the config's ``slurm`` section.
 
-Why: each ``slurm.*`` key is declared once, on its field (``config/schema.py``: type, default, docstring,
+Why: each ``slurm.*`` key is declared once, on its field (``config/placement.py``: type, default, docstring,
 value check). The flags are made from those fields the way submitit reads its parameters from a
 signature: ``gpus_per_node`` is ``--gpus-per-node``, the help is the field's docstring, and a value is
 read and checked by the rule the config uses for the same key (``config.value_of``), so a flag and a
