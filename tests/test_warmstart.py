@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,51 @@ def test_a_resume_ignores_init_from_its_own_checkpoint_wins(base: Launcher) -> N
     res = base.run(base.cmd_train(*args, "run.init_from=runs/base"), check=True)
     assert "already finished" in res.stderr and "warm start" not in res.stderr
     assert torch.equal(checkpoint.load_latest(base.cwd / "runs" / "own")["model"]["1.weight"], own["model"]["1.weight"])
+
+
+# One rank of training in this child process, through ``loop.train`` itself: the config it was given, before
+# and after, and the run's own config it was told of once the run was named.
+IN_PROCESS = """
+import json, os, sys
+from ddp_slurm import config
+from ddp_slurm.distributed import group
+from ddp_slurm.distributed.env import DistEnv
+from ddp_slurm.exitcodes import exit_now
+from ddp_slurm.train import loop
+from ddp_slurm.train.entry import check_task
+from ddp_slurm.train.signals import StopFlag
+loaded = config.load(None, sys.argv[1:])
+before = loaded.to_dict()
+env = DistEnv.from_environ(os.environ)
+named = []
+with group.distributed(env, "gloo", loaded.dist.timeout_s) as (device, backend):
+    code = loop.train(loaded, check_task(loaded, env), env, device, backend, stop=StopFlag(), named=named.append)
+result = {"code": code, "before": before, "after": loaded.to_dict(), "named": [c.to_dict() for c in named]}
+print("RESULT " + json.dumps(result), flush=True)
+exit_now(0)
+"""
+
+
+def test_train_writes_nothing_into_the_config_it_is_given(base: Launcher) -> None:
+    """A new run (no ``run.name``) warm-started from a run directory: ``loop.train`` chooses the run's name and
+    locates the checkpoint file, and both go into the run's own copy of the config (config.yaml and its
+    checkpoints record them), never into the config it was given."""
+    res = base.run(
+        [sys.executable, "-c", IN_PROCESS, *FAST, "train.max_steps=2", "run.init_from=runs/base"], check=True
+    )
+    result = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
+    assert result["code"] == 0
+    assert result["after"] == result["before"]
+    assert result["before"]["run"]["name"] is None and result["before"]["run"]["init_from"] == "runs/base"
+    [own] = result["named"]
+    name = own["run"]["name"]
+    assert name and name.startswith("mnist-")
+    run = base.cwd / "runs" / name
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["run"]["name"] == name
+    assert recorded["run"]["init_from"] == "runs/base/checkpoints/step-6.pt"  # the very file, as before
+    assert checkpoint.load_latest(run)["config"]["run"] == recorded["run"]
+    assert start_line(run)["init_from"] == recorded["run"]["init_from"]
 
 
 @pytest.mark.parametrize(

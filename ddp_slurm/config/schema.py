@@ -15,6 +15,7 @@ written together with the config.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import types
@@ -96,6 +97,15 @@ class Config:
     def paths(self) -> RunPaths:
         """The run directory's files, and ``run.shared`` for whoever writes them."""
         return RunPaths(self.run_dir, self.run.shared)
+
+    def with_run(self, **changes: Any) -> Config:
+        """A copy whose ``run`` section has ``changes`` (``with_run(name="r1")``), this config untouched: what a
+        launch chooses for itself (a new run's name, the checkpoint a warm start located) goes into its own
+        copy. Every section is copied, the task's too; the values are taken as given (chosen by the runtime,
+        not typed by a user: no check)."""
+        out = copy.deepcopy(self)
+        out.run = dataclasses.replace(out.run, **changes)
+        return out
 
     def sections(self) -> dict[str, Any]:
         """Every checked section by name: the runtime's, then the task's (none while it is ``Unchecked``)."""

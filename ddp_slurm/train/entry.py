@@ -105,6 +105,9 @@ def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> in
     from ddp_slurm.slurmjob import chain
     from ddp_slurm.train import logs, loop
 
+    # The run's own config once loop.train has named the run (it never writes into ``cfg``): the hosts of a
+    # lost peer are recorded in that run's directory.
+    own = {"cfg": cfg}
     try:
         with (
             group.distributed(env, cfg.dist.backend, cfg.dist.timeout_s, lambda: stop.requested) as (device, backend),
@@ -114,11 +117,14 @@ def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> in
                 env,
                 ignore=(errors.Error,),
                 after_beat=stall.checker(
-                    stall.deadline_s(cfg.dist.timeout_s), before_exit=lambda lost: chain.after_peer_lost(cfg, env, lost)
+                    stall.deadline_s(cfg.dist.timeout_s),
+                    before_exit=lambda lost: chain.after_peer_lost(own["cfg"], env, lost),
                 ),
             ) as dog,
         ):
-            return loop.train(cfg, task_cls, env, device, backend, stop, dog)
+            return loop.train(
+                cfg, task_cls, env, device, backend, stop=stop, dog=dog, named=lambda chosen: own.update(cfg=chosen)
+            )
     except errors.Stopped as exc:  # nothing started: a clean stop, as documented for exit 75
         stop.stopping = True  # a second signal (torchrun's TERM) must not turn it into death by signal
         log.warning("%s", exc)
@@ -126,7 +132,7 @@ def _train_rank(cfg: Config, task_cls: type, env: DistEnv, stop: StopFlag) -> in
     except errors.Error as exc:  # its one line says it all (a task's own errors among them)
         log.error("%s", exc)
         if isinstance(exc, watchdog.PeerLost):  # a node named: recorded, and the job requeued without it
-            chain.after_peer_lost(cfg, env, exc)
+            chain.after_peer_lost(own["cfg"], env, exc)
         return exc.exit_code
     except Exception as exc:
         gist = logs.collective_failure(exc)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,26 +44,42 @@ log = logging.getLogger("ddp_slurm")
 
 
 def train(
-    cfg: Config, task_cls: type, env: DistEnv, device: torch.device, backend: str, stop: StopFlag, dog: Any = None
+    loaded: Config,
+    task_cls: type,
+    env: DistEnv,
+    device: torch.device,
+    backend: str,
+    *,
+    stop: StopFlag,
+    dog: Any = None,
+    named: Callable[[Config], None] | None = None,
 ) -> int:
     """Every rank: build the run, take the run directory (rank 0), resume or start, train; the exit code.
-    ``dog``: the watchdog, which hears of every step."""
+    ``dog``: the watchdog, which hears of every step.
+
+    ``loaded`` is never written to: the run trains on its own copy (``Config.with_run``), which holds the name
+    chosen here for a new run and the very checkpoint file a warm start located (config.yaml and every
+    checkpoint record that copy). ``named(cfg)`` is given the copy as soon as the run is named."""
     started = time.monotonic()
-    check_precision(cfg.train.precision, device, strategy.of(cfg.dist.strategy))
-    settings = determinism.apply(cfg.train.deterministic, device)  # before the first kernel runs
+    check_precision(loaded.train.precision, device, strategy.of(loaded.dist.strategy))
+    settings = determinism.apply(loaded.train.deterministic, device)  # before the first kernel runs
     if settings and env.rank == 0:
         log.info("train.deterministic: %s", ", ".join(settings))
     groups = Groups.make(device)  # every collective below names one of these (see distributed/groups.py)
     host = groups.host
     log_placement(env, host)
     # slurm.* keys the allocation ignores (warnings), a --signal training would not catch (exit 2)
-    warnings = on_rank0(env, lambda: allocation.check_current(cfg, os.environ), host)  # rank 0 asks scontrol once
+    warnings = on_rank0(env, lambda: allocation.check_current(loaded, os.environ), host)  # rank 0 asks scontrol once
     for line in warnings if env.rank == 0 else ():
         log.warning("%s", line)
-    if cfg.run.name is None:  # a new run: rank 0 names it, every rank of this launch uses that name
-        cfg.run.name = runname.job_name(cfg, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
-            env, lambda: runname.new_name(cfg), host
+    run_name = loaded.run.name
+    if run_name is None:  # a new run: rank 0 names it, every rank of this launch uses that name
+        run_name = runname.job_name(loaded, env.slurm_job_ref if env.in_slurm_job else None) or on_rank0(
+            env, lambda: runname.new_name(loaded), host
         )
+    cfg = loaded.with_run(name=run_name)  # the run's own config, from here on the only one
+    if named is not None:
+        named(cfg)
     task = make_task(cfg, task_cls, env, device)
     # Downloads happen once (the other ranks wait), and before the run directory exists: data that cannot
     # be had stops the launch with nothing created.
@@ -85,8 +102,9 @@ def train(
 
     def take() -> tuple[Any, ...]:
         """Rank 0: the warm-start source, checked before the run directory is made; the run directory;
-        the checkpoint to resume. Only its path and a summary travel: each rank reads it itself."""
-        cfg.run.init_from = warmstart.locate(cfg, ckpt.reference, template)  # config.yaml records the very file
+        the checkpoint to resume. Only its path and a summary travel: each rank reads it itself. The
+        warm-start source located goes into the run's own copy: config.yaml records the very file."""
+        cfg.run.init_from = warmstart.locate(cfg, ckpt.reference, template)
         found = rundir.take(cfg, lock, ckpt)
         if found is None:
             return None, None, cfg.run.init_from
@@ -95,7 +113,7 @@ def train(
         return found[0], summary, cfg.run.init_from
 
     try:
-        path, summary, cfg.run.init_from = on_rank0(env, take, host)
+        path, summary, cfg.run.init_from = on_rank0(env, take, host)  # every rank's copy: checkpoints record it
         if summary is not None and summary[1]:  # a finished run launched again
             name, best = task.best_metric, summary[2]
             shown = f" (best test {logs.metric(name, best, task.percent_metrics)})" if name and best is not None else ""
