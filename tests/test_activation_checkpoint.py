@@ -69,7 +69,7 @@ def test_it_recomputes_each_unit() -> None:
         seen = []
         for unit in (model.a, model.b):
             unit[2].register_forward_hook(lambda *_: seen.append(1))
-        net = strategy.of("ddp").wrap(model, Task(None, None), torch.device("cpu"), "fp32", 1, on)
+        net = strategy.of("ddp").wrap(model, Task(None, None), torch.device("cpu"), "fp32", 1, activation_checkpoint=on)
         net(torch.randn(4, 16)).sum().backward()
         calls.append(len(seen))
     assert calls == [2, 4]

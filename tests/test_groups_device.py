@@ -110,7 +110,14 @@ def traced(made: Groups, batches: int) -> tuple[Roles, Any]:
         data = [(torch.randn(5, 1, 8, 8, device="cuda"), torch.zeros(5, dtype=torch.long, device="cuda"))] * batches
         with Roles(made) as roles:
             found = step.evaluate(
-                net, data, metrics_of, torch.device("cuda"), 2, "fp32", made, EvalVote(StopFlag(), 2, made.host)
+                net,
+                data,
+                metrics_of,
+                torch.device("cuda"),
+                2,
+                "fp32",
+                groups=made,
+                vote=EvalVote(StopFlag(), 2, made.host),
             )
     return roles, found
 

@@ -215,3 +215,54 @@ def test_no_module_is_over_450_lines() -> None:
         if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert offenders == []
+
+
+MAX_POSITIONAL = 6
+
+
+def positional_counts(path: Path) -> Iterator[tuple[str, int]]:
+    """``(qualified name, positional parameters)`` of every function in ``path``, methods and nested functions
+    included (``Class.method``, ``outer.inner``)."""
+
+    def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = [a.arg for a in child.args.posonlyargs + child.args.args]
+                if params[:1] in (["self"], ["cls"]):
+                    params = params[1:]
+                yield prefix + child.name, len(params)
+                yield from visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                yield from visit(child, f"{prefix}{child.name}.")
+            else:
+                yield from visit(child, prefix)
+
+    yield from visit(ast.parse(path.read_text(), str(path)), "")
+
+
+def test_the_reader_of_positional_parameters(tmp_path: Path) -> None:
+    """What counts: positional-only and positional-or-keyword parameters, not ``self``/``cls``, not ``*args``
+    and not keyword-only ones; methods and nested functions are named by their place."""
+    source = tmp_path / "m.py"
+    source.write_text(
+        "def f(a, b, /, c, *args, d, **kw):\n    def g(x): pass\n"
+        "class C:\n    def m(self, a, b): pass\n    @classmethod\n    def k(cls, *, a): pass\n"
+    )
+    assert dict(positional_counts(source)) == {"f": 3, "f.g": 1, "C.m": 2, "C.k": 0}
+
+
+def test_no_function_of_the_training_runtime_takes_more_than_6_positional_parameters() -> None:
+    """In ``ddp_slurm/train/`` (recursively) a function takes at most 6 positional parameters, ``self`` and
+    ``cls`` not counted (positional-only and positional-or-keyword ones; keyword-only ones after ``*`` are
+    free): a seventh argument passed by position is one a caller can silently swap with its neighbour
+    (``evaluate(..., precision, groups)``), so those past the sixth are keyword-only. Offenders are named
+    ``module:function (N)``. Last in this file: the others run whatever it finds."""
+    modules = module_names(PACKAGE)
+    offenders = [
+        f"{name}:{function} ({count})"
+        for name, path in modules.items()
+        if within(name, "ddp_slurm.train")
+        for function, count in positional_counts(path)
+        if count > MAX_POSITIONAL
+    ]
+    assert offenders == []

@@ -77,7 +77,7 @@ def test_eval_batches_cover_every_sample_once(n: int, world: int) -> None:
 
 def test_unusable_training_data_is_named() -> None:
     with pytest.raises(TypeError, match="expected ddp_slurm.Tensors or a map-style Dataset"):
-        loader.make_batches(42, CPU, 0, 8, 0, 1, None)
+        loader.make_batches(42, CPU, 0, 8, 0, 1, cfg=None)
 
 
 # moved from test_data.py: the per-epoch order and its sharding

@@ -212,7 +212,9 @@ def test_accumulated_micro_batches_are_scaled_each_and_unscaled_once() -> None:
         def loss_of(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             return nn.functional.cross_entropy(m(batch[0]).float(), batch[1])
 
-        step = make_step(model, optimizer, scheduler, loss_of, CPU, "fp16", accumulate, 10.0, scaler)
+        step = make_step(
+            model, optimizer, scheduler, loss_of, CPU, "fp16", accumulate=accumulate, grad_clip=10.0, scaler=scaler
+        )
         step(data)
         assert scaler.get_scale() == 2.0**8  # nothing overflowed: nothing skipped
         results.append((step.grad_norm.item(), [p.detach().clone() for p in model.parameters()]))

@@ -167,7 +167,7 @@ class DatasetPipeline:
         task = cfg_task(cfg, batch, device)
         train = task.train_data()
         self.batches = loader.DatasetBatches(
-            ImageSamples(*train.tensors), device, cfg.run.seed, batch, 0, 1, workers, prefetch
+            ImageSamples(*train.tensors), device, cfg.run.seed, batch, 0, 1, workers=workers, prefetch=prefetch
         )
         torch.manual_seed(cfg.run.seed)
         model = task.build_model().to(device)

@@ -85,6 +85,7 @@ class AccumulatingStep:
         scheduler: Any,
         loss_of: Callable[[nn.Module, Any], torch.Tensor],
         cast: contextlib.AbstractContextManager,
+        *,
         accumulate: int,
         grad_clip: float | None,
         scaler: torch.amp.GradScaler | None = None,

@@ -123,7 +123,7 @@ class Evaluations:
             run.device,
             run.world_size,
             tc.precision,
-            run.groups,
+            groups=run.groups,
             vote=self.vote,
         )
 

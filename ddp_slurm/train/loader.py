@@ -181,6 +181,7 @@ class DatasetBatches:
         global_batch: int,
         rank: int,
         world: int,
+        *,
         workers: int,
         prefetch: int,
     ) -> None:
@@ -222,12 +223,12 @@ class DatasetBatches:
             iterator._shutdown_workers()
 
 
-def make_batches(data: Any, device: torch.device, seed: int, global_batch: int, rank: int, world: int, cfg: Any):
+def make_batches(data: Any, device: torch.device, seed: int, global_batch: int, rank: int, world: int, *, cfg: Any):
     """The batch source for ``data`` (Tensors or a map-style Dataset); ``cfg`` is the ``train`` section."""
     if isinstance(data, Tensors):
         return InMemory(data, device, seed, global_batch, rank, world)
     if isinstance(data, Dataset) or hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        return DatasetBatches(data, device, seed, global_batch, rank, world, cfg.workers, cfg.prefetch)
+        return DatasetBatches(data, device, seed, global_batch, rank, world, workers=cfg.workers, prefetch=cfg.prefetch)
     raise TypeError(f"train_data() returned {type(data).__name__}: expected ddp_slurm.Tensors or a map-style Dataset")
 
 

@@ -111,6 +111,7 @@ class Progress:
         step_in_epoch: int,
         steps: int,
         loss: float | None,
+        *,
         samples_per_s: float | None,
         eta_s: float | None,
     ) -> None:

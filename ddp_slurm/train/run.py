@@ -99,7 +99,7 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
     """Every rank: the run's objects, at step 0 (a checkpoint is restored into them afterwards)."""
     tc = cfg.train
     batches = loader.make_batches(
-        task.train_data(), device, cfg.run.seed, tc.global_batch_size, env.rank, env.world_size, tc
+        task.train_data(), device, cfg.run.seed, tc.global_batch_size, env.rank, env.world_size, cfg=tc
     )
     eval_data = task.eval_data()
     if isinstance(eval_data, Tensors):
@@ -109,7 +109,15 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
 
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = task.build_model().to(device)
-    module = strategy.wrap(model, task, device, tc.precision, env.world_size, tc.activation_checkpoint, groups.train)
+    module = strategy.wrap(
+        model,
+        task,
+        device,
+        tc.precision,
+        env.world_size,
+        activation_checkpoint=tc.activation_checkpoint,
+        group=groups.train,
+    )
     optimizer = task.configure_optimizer(model) or make_optimizer(tc, model.parameters(), device)
     scheduler = task.configure_scheduler(optimizer, total_steps) or make_scheduler(tc, optimizer, total_steps)
     scaler = make_scaler(tc.precision, device, optimizer)  # fp16: refused if its step would sync (sync-debug)
@@ -125,9 +133,9 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
             loss_of,
             device,
             tc.precision,
-            accumulation(cfg, env.world_size),
-            tc.grad_clip,
-            scaler,
+            accumulate=accumulation(cfg, env.world_size),
+            grad_clip=tc.grad_clip,
+            scaler=scaler,
         )
     return Run(
         cfg,

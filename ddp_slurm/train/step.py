@@ -39,6 +39,7 @@ def make_step(
     loss_of: Callable[[nn.Module, Any], torch.Tensor],
     device: torch.device,
     precision: str = "fp32",
+    *,
     accumulate: int = 1,
     grad_clip: float | None = None,
     scaler: torch.amp.GradScaler | None = None,
@@ -53,7 +54,9 @@ def make_step(
     if accumulate > 1 or grad_clip is not None or scaler is not None:
         from ddp_slurm.train.accumulate import AccumulatingStep
 
-        return AccumulatingStep(model, optimizer, scheduler, loss_of, cast, accumulate, grad_clip, scaler)
+        return AccumulatingStep(
+            model, optimizer, scheduler, loss_of, cast, accumulate=accumulate, grad_clip=grad_clip, scaler=scaler
+        )
 
     def step(batch: Any) -> torch.Tensor:
         with cast:
@@ -83,6 +86,7 @@ def evaluate(
     device: torch.device,
     world_size: int,
     precision: str = "fp32",
+    *,
     groups: Groups = NO_GROUPS,
     vote: Callable[[bool], bool | None] | None = None,
 ) -> tuple[dict[str, float], int] | None:

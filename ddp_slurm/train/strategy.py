@@ -41,6 +41,7 @@ class Strategy:
         device: torch.device,
         precision: str,
         world_size: int,
+        *,
         activation_checkpoint: bool = False,
         group: Any = None,
     ) -> nn.Module:
@@ -97,6 +98,7 @@ class DDP(Strategy):
         device: torch.device,
         precision: str,
         world_size: int,
+        *,
         activation_checkpoint: bool = False,
         group: Any = None,
     ) -> nn.Module:
@@ -117,6 +119,7 @@ class FSDP(Strategy):
         device: torch.device,
         precision: str,
         world_size: int,
+        *,
         activation_checkpoint: bool = False,
         group: Any = None,
     ) -> nn.Module:

@@ -21,7 +21,9 @@ class ProgressDisplay(Hook):
 
     def after_step(self, t: Training, loss: torch.Tensor) -> None:
         pos = t.run.pos
-        self.progress.update(pos.step, pos.epoch, pos.step_in_epoch, t.run.epoch_steps(), t.loss, t.rate, t.eta())
+        self.progress.update(
+            pos.step, pos.epoch, pos.step_in_epoch, t.run.epoch_steps(), t.loss, samples_per_s=t.rate, eta_s=t.eta()
+        )
 
     def epoch_end(self, t: Training) -> None:
         self.progress.end_epoch()
