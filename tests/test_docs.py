@@ -215,6 +215,13 @@ def test_the_readme_parses() -> None:
     assert sum(1 for line in README.read_text().splitlines()) <= 200
 
 
+def test_the_readme_is_at_most_150_lines() -> None:
+    """The README is the newcomer's path (what it is, the two make commands, the first local run, the first
+    cluster job, where to look when it fails); the detail lives in docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail into docs/"
+
+
 def test_readme_commands_in_order(tmp_path: Path) -> None:
     root = fresh_copy(tmp_path / "repo")
     env = user_env(root)
