@@ -21,7 +21,7 @@ writes):
 
 ``--device cuda --worlds 1``: the small model, its optimizer and the synthetic state live on the GPU;
 a synchronous save copies them to the host inside ``torch.save``, an asynchronous one queues their copy
-into pinned host memory (``ckpt_snapshot``) and the writer waits for it on events; "copy s" is then
+into pinned host memory (``checkpoint/snapshot.py``'s ``Snapshotter``) and the writer waits for it on events; "copy s" is then
 the time until that copy has landed (the step after a save would wait behind it on the stream anyway).
 """
 

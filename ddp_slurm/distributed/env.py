@@ -1,10 +1,10 @@
-"""Work out where this process sits in a distributed job and set up ``torch.distributed``.
+"""Work out where this process sits in a distributed job, for ``torch.distributed`` to set up.
 
 :meth:`DistEnv.from_environ` reads the launcher's environment variables (torchrun, a Slurm
 ``srun`` step, or none: a single process) into a :class:`DistEnv`; it is a pure function of
-the mapping it is given. :func:`init_distributed` / :func:`distributed` then join the
-process group. ``torch`` is imported inside the runtime functions only, so importing this
-module stays cheap.
+the mapping it is given. :func:`~ddp_slurm.distributed.group.init_distributed` /
+:func:`~ddp_slurm.distributed.group.distributed` then join the process group (``group.py``, which
+imports ``torch`` inside those functions only). This module never imports ``torch``: it stays cheap.
 """
 
 from __future__ import annotations

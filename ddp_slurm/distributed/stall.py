@@ -136,7 +136,7 @@ def exit_on_lost(dog: Watchdog) -> Callable[[PeerLost, int], None]:
 
 
 def thread_at(thread_id: int | None) -> str:
-    """``loop.py:312 in _train (torch: all_reduce)``: where a thread's Python code stands (the innermost
+    """``window.py:78 in close (torch: all_reduce)``: where a thread's Python code stands (the innermost
     frame outside torch, and the torch function it is inside, if any); "" if the thread is gone."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
     if frame is None:

@@ -7,7 +7,7 @@ resumes from the latest checkpoint.
 
 One signal path. submitit's ``process_job`` installs its own handlers before calling us: on the
 preemption signal, rank 0 would requeue and exit at once while the other ranks carry on. So the
-first thing ``__call__`` does is install training's :class:`~ddp_slurm.signals.StopFlag` in their
+first thing ``__call__`` does is install training's :class:`~ddp_slurm.train.signals.StopFlag` in their
 place and keep it until the process ends: every rank stops at the same step, rank 0 writes the
 checkpoint and runs ``scontrol requeue`` once, and submitit's handlers never run.
 

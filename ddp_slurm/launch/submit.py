@@ -10,8 +10,9 @@ are made from that section's fields (``flags.py``). The config is read once (``p
 task it names is imported only to submit (its keys checked before the job queues), never for
 ``--dry-run`` or ``--summary``, and never the task a run directory's config.yaml names.
 The job asks for ``--signal=<slurm.signal>@<signal_delay_s>`` and ``--requeue``; training's own
-signal handling stops every rank at the same step, checkpoints, and rank 0 requeues the job once
-(see ``submit_job``). ``--sweep KEY=V1,V2`` submits a job array, one run per value (see ``sweep``).
+signal handling stops every rank at the same step, checkpoints, and rank 0 requeues the job once (the
+options: ``plan.executor_parameters``; the requeue: ``train/loop.py``'s ``stop_on_signal``). ``--sweep KEY=V1,V2``
+submits a job array, one run per value (see ``sweep``).
 
 Exit status: 0 submitted (with ``--wait``: finished); 2 bad options or config, nothing submitted and
 no run directory created; with ``--wait``, training's status otherwise (1 failure, 3 requeue cap,

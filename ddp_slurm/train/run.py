@@ -1,5 +1,5 @@
 """The run's objects as one value: what the loop trains, the checkpointer saves and restores, and the
-side features (``hooks.py``) read.
+side features (``hooks/``) read.
 
 ``build`` makes them in the order the math needs, on every rank, before the run directory is taken:
 the data and its batches (the schedule's length depends on them), the model (after the same seed on
