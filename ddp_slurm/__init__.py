@@ -19,6 +19,8 @@ _PUBLIC = {
     "Task": "ddp_slurm.train.task",
     "Tensors": "ddp_slurm.train.task",
     "Context": "ddp_slurm.train.task",
+    "Hook": "ddp_slurm.train.hooks.base",
+    "Stateful": "ddp_slurm.train.checkpoint.parts",
     "run": "ddp_slurm.train.entry",
     "load_model": "ddp_slurm.tools.export",
     "checked": "ddp_slurm.config",

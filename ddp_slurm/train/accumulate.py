@@ -138,6 +138,13 @@ class NormWindow:
             self.sum = pair if self.sum is None else self.sum + pair
             self.n += 1
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"sum": None if self.sum is None else self.sum.cpu(), "n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.sum = None if state["sum"] is None else state["sum"].to(device)
+        self.n = state["n"]
+
     def close(self) -> dict[str, float]:
         """``{"grad_norm": mean}`` over the window's finite norms (empty without clipping, or if none was
         finite); starts the next window."""

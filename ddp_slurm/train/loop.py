@@ -85,6 +85,7 @@ def train(
     # be had stops the launch with nothing created.
     on_rank0(env, task.prepare_data, host)
     run = build(cfg, task, env, device, strategy.of(cfg.dist.strategy), groups)
+    side = hooks.for_run(run, dog)  # side features, their checkpoint parts registered before any is judged
     # the run's structure a checkpoint must fit: built on the meta device, on rank 0 only (the one that judges)
     template = fit.of_task(task, cfg.train) if env.rank == 0 else None
     ckpt = Checkpointer(
@@ -139,7 +140,7 @@ def train(
             t = Training(run, metrics, started)
             _start(t, backend, resumed is not None, warm)
             votes = StopVote(stop, env.world_size, device, failed=lambda: ckpt.failed, group=groups.train)
-            return loop(t, ckpt, votes, stop, dog)
+            return loop(t, ckpt, votes, stop, side)
     finally:
         reset_sync_debug(device)
         if ckpt.in_flight:  # leaving on an error: the write in flight still ends whole (or not at all)
@@ -149,10 +150,9 @@ def train(
         lock.release()
 
 
-def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, dog: Any = None) -> int:
-    """Steps until the last one, a stop signal or an early stop; the exit code."""
+def loop(t: Training, ckpt: Checkpointer, votes: StopVote, stop: StopFlag, side: hooks.Hooks) -> int:
+    """Steps until the last one, a stop signal or an early stop (``side``: the run's hooks); the exit code."""
     run, pos = t.run, t.run.pos
-    side = hooks.standard(run, dog)
     evals = Evaluations(t, stop)
     guard = Guard(t, ckpt, votes, side, save=lambda: save(t, ckpt))  # loss spikes, bad data, faults (guard/)
     side.start(t)
@@ -237,8 +237,7 @@ def _close_step(
 def save(t: Training, ckpt: Checkpointer, finished: bool = False, urgent: bool = False) -> None:
     """Checkpoint the state after this step (a collective; ``urgent``: the process waits for it next)."""
     run = t.run
-    extra = {"config": run.cfg.to_dict(), "restart_count": run.env.restart_count}
-    path = ckpt.save(finished, t.elapsed(), extra, urgent=urgent)
+    path = ckpt.save(finished, t.elapsed(), urgent=urgent)  # every registered part (checkpoint/parts.py)
     t.metrics.event("checkpoint", run.pos.step, run.pos.epoch, t.elapsed(), background=path is None)
 
 

@@ -22,6 +22,8 @@ from ddp_slurm.config import Config, accumulation
 from ddp_slurm.distributed.env import DistEnv
 from ddp_slurm.distributed.groups import Groups
 from ddp_slurm.train import graphs, loader, step
+from ddp_slurm.train.checkpoint.parts import Part, Parts
+from ddp_slurm.train.checkpoint.standard import standard
 from ddp_slurm.train.checkpoint.state import Position
 from ddp_slurm.train.clock import ComputeClock, for_run
 from ddp_slurm.train.optim import make_optimizer, make_scheduler
@@ -55,6 +57,9 @@ class Run:
     pos: Position = field(default_factory=Position)
     scaler: Any = None
     """``train.precision=fp16``: the gradient scaler the step uses (its state is checkpointed); None otherwise."""
+    parts: Parts | None = None
+    """What a checkpoint holds beside the model and optimizer (``checkpoint/parts.py``): the standard parts, and
+    those a batch source, a hook or the task registers."""
     clock: ComputeClock | None = None
     """This rank's forward time (``clock.py``: slow nodes); None under ``train.cuda_graphs`` (one capture) and at
     world size 1 (no other rank to compare with)."""
@@ -137,7 +142,7 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
             grad_clip=tc.grad_clip,
             scaler=scaler,
         )
-    return Run(
+    run = Run(
         cfg,
         env,
         device,
@@ -155,3 +160,13 @@ def build(cfg: Config, task: Task, env: DistEnv, device: torch.device, strategy:
         scaler=scaler,
         clock=clock,
     )
+    run.parts = standard(run)
+    for part in contributed(batches):  # a batch source with a cursor, say
+        run.parts.add(part)
+    return run
+
+
+def contributed(owner: Any) -> list[Part]:
+    """The checkpoint parts ``owner`` (a batch source, a hook, the task) registers: its ``parts()``, if any."""
+    parts = getattr(owner, "parts", None)
+    return list(parts()) if callable(parts) else []

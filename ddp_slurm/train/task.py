@@ -179,6 +179,12 @@ class Task:
         has (``loss``, ``lr``, ...) is refused."""
         return {}
 
+    def hooks(self) -> list[Any]:
+        """Side features of the task's own (``ddp_slurm.Hook`` subclasses), called at the loop's points after the
+        runtime's. A hook with state returns its checkpoint parts from ``parts()`` (``ddp_slurm.Stateful``): they
+        are saved with every checkpoint and put back on a resume (docs/tasks.md, 'Side features')."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         """The task's own state to checkpoint (tensors and plain values), beyond model and optimizer."""
         return {}

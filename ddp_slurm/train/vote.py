@@ -122,6 +122,19 @@ class StopVote:
         pending, self._pending = self._pending, None
         return self._collect(pending)
 
+    def take_losses(self) -> list[tuple[int, float]]:
+        """The (step, mean loss over the ranks) agreed since the last call, oldest first; forgotten here."""
+        losses = list(self.losses)
+        self.losses.clear()
+        return losses
+
+    def reset(self) -> None:
+        """Wait for the flags in flight and forget them, the losses and the non-finite verdict (the guard asks,
+        going back: what the ranks agreed before a rollback says nothing of the steps after it)."""
+        self.settle()
+        self.losses.clear()
+        self.bad = ""
+
     def _collect(self, pending: tuple[int, Any, torch.Tensor | None, int] | None) -> tuple[bool, bool, bool]:
         if pending is None:
             return False, False, False

@@ -49,6 +49,23 @@ class LossWindow:
             return torch.zeros((), device=self.device)
         return torch.stack([t if t.dim() == 0 else t.reshape(()) for t in self.losses]).float().sum()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The open window, for a checkpoint (a stop cuts it): its first step, its steps' losses (one copy to the
+        host), how many steps it holds and its seconds so far. A run resumed from it logs the window's line over
+        all its steps, the line the run left alone logs."""
+        losses = torch.stack([t.reshape(()) for t in self.losses]).cpu() if self.losses else torch.zeros(0)
+        return {
+            "first_step": self.first_step,
+            "n": self.n,
+            "losses": losses,
+            "seconds": time.monotonic() - self.started,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = list(state["losses"].to(self.device).unbind())
+        self.n, self.first_step = state["n"], state["first_step"]
+        self.started = time.monotonic() - state["seconds"]
+
     def close(self, step: int) -> dict[str, float]:
         """The window's figures for metrics.jsonl: loss (mean over steps and ranks), samples/s, mean step
         time, and how far apart the ranks' step times were ((slowest - fastest) / mean); starts the next

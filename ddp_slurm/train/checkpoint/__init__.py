@@ -6,7 +6,8 @@
   run's, fits), for every backend and reader;
 - ``backends.py``: the two ways a checkpoint lies on disk (a whole file, a folder of shards) behind one
   interface; ``format.py`` / ``listing.py`` and ``sharded.py`` are their file formats;
-- ``state.py``: what every checkpoint holds besides the model and optimizer, and the position;
+- ``parts.py``: what a checkpoint holds besides the model and optimizer, as registered parts (a hook, the task
+  or a batch source may add one); ``standard.py``: the parts every run has; ``state.py``: the position;
 - ``schema.py``: the record's shape; ``fit.py``: does it fit this run's optimizer and schedule;
 - ``seal.py``: the trailer that proves every byte is the one written; ``dcp_safe.py``: torch's
   distributed checkpoints read without unpickling code;

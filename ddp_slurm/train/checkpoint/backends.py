@@ -5,8 +5,8 @@
 - ``Sharded`` (``dist.strategy=fsdp``): ``checkpoints/step-<N>/``, every rank's shards and a sealed commit
   record (``sharded.py``), written by every rank and committed by rank 0 (``sharded_writer.py``).
 
-Each says which entries of the folder are its checkpoints, how to read one's record (the values every
-checkpoint holds, ``state.record``) and what else makes it whole, how to capture the run's state and
+Each says which entries of the folder are its checkpoints, how to read one's record (the values of the run's
+registered parts, ``parts.py``) and what else makes it whole, how to capture the run's state and
 put it back, and how to read it whole on one process (tools, export, warm start). Everything a backend
 does not decide (trust, the record's shape, being this run's, fitting) is the gate's (``gate.py``), for
 both: that is how a rule the file format keeps is kept by the folder too.
@@ -24,8 +24,9 @@ import torch
 
 from ddp_slurm import safefs
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train import rng
 from ddp_slurm.train.checkpoint import fit, format, listing, schema, sharded, state
+from ddp_slurm.train.checkpoint.parts import Moment, Restoring
+from ddp_slurm.train.checkpoint.standard import parts_of
 from ddp_slurm.train.checkpoint.state import Position
 
 Shape = tuple[int, ...]
@@ -44,6 +45,8 @@ class Objects(Protocol):
     world_size: int
     seed: int
     groups: Any  # distributed.groups.Groups: the RNG streams and flags travel on its host group
+    # ``parts`` (``parts.Parts``): what the checkpoint holds beside the model and optimizer; a stand-in without
+    # it (a test's, a benchmark's) gets the standard parts (``standard.parts_of``)
 
 
 def _plain_file(path: Path) -> None:
@@ -58,6 +61,7 @@ class Backend:
 
     name: ClassVar[str]
     extra: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}  # record keys the schema checks too
+    owns: ClassVar[frozenset[str]] = frozenset()  # record keys of the backend's own (no part's): the model state
 
     def candidates(self, paths: RunPaths) -> list[tuple[int, Path]]:
         """``(step, path)`` of what looks like this backend's checkpoints, newest first."""
@@ -119,25 +123,31 @@ class Backend:
         raise NotImplementedError
 
 
-def _rngs(run: Objects) -> list[Any] | None:
-    return state.gather(rng.rng_state(run.device), run.rank, run.world_size, run.groups.host)
-
-
-def _rest(record: dict[str, Any], run: Objects, what: str, where: str) -> Position:
-    """What follows the model and optimizer, for either backend (``state.resume``)."""
-    changed = f"same samples and order, fresh per-rank RNG streams {where}"
-    return state.resume(
-        record, run.scheduler, run.task, run.seed, run.device, run.rank, run.world_size, what, changed, _scaler(run)
+def _record(run: Objects, finished: bool, elapsed_s: float) -> dict[str, Any] | None:
+    """Every registered part's values (a collective: the per-rank ones travel on the host group); rank 0's
+    record, None on the others."""
+    return parts_of(run).take(
+        Moment(finished, elapsed_s), lambda own: state.gather(own, run.rank, run.world_size, run.groups.host)
     )
 
 
-def _scaler(run: Objects) -> Any:
-    """The run's fp16 gradient scaler, or None (a benchmark's stand-in for a run has no such attribute)."""
-    return getattr(run, "scaler", None)
+def _rest(backend: Backend, record: dict[str, Any], run: Objects, what: str, where: str) -> Position:
+    """Every registered part put back from ``record``, for either backend; the position to continue from."""
+    how = Restoring(
+        run.rank,
+        run.world_size,
+        run.seed,
+        run.device,
+        what,
+        f"same samples and order, fresh per-rank RNG streams {where}",
+    )
+    parts_of(run).put(record, how, owned=backend.owns)
+    return run.pos
 
 
 class WholeFile(Backend):
     name = "ddp"
+    owns = frozenset({"format", "model", "optimizer"})
     extra = {
         "model": (lambda v: isinstance(v, dict), "a state dict"),
         "optimizer": (lambda v: isinstance(v, dict), "a state dict"),
@@ -166,20 +176,18 @@ class WholeFile(Backend):
         """Rank 0's whole state (None on the others, which only hand over their RNG streams)."""
         from ddp_slurm.train.step import all_finite
 
-        rngs = _rngs(run)
-        if run.rank != 0:
+        record = _record(run, finished, elapsed_s)
+        if record is None:
             return None
-        assert rngs is not None
         if not all_finite(run.model.parameters()):  # one host sync for all of them; rank 0 raises it when writing
             raise ValueError(f"weights are not finite at step {run.pos.step}")
         whole = {"format": format.FORMAT, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
-        record = state.record(run.scheduler, run.task, run.pos, finished, elapsed_s, rngs, run.world_size, _scaler(run))
         return whole | record | extra
 
     def restore(self, path: Path, record: dict[str, Any], run: Objects) -> Position:
         run.model.load_state_dict(record["model"])
         run.optimizer.load_state_dict(record["optimizer"])
-        return _rest(record, run, "a checkpoint", "(see docs/tasks.md, 'Resume')")
+        return _rest(self, record, run, "a checkpoint", "(see docs/tasks.md, 'Resume')")
 
     def load_whole(self, path: Path, record: dict[str, Any]) -> dict[str, Any]:
         return record
@@ -211,6 +219,7 @@ class WholeFile(Backend):
 
 class Sharded(Backend):
     name = "fsdp"
+    owns = frozenset({"format", "model_shapes", "optimizer_layout", "files"})
     extra = {
         "model_shapes": (lambda v: isinstance(v, dict) and bool(v), "a mapping of tensor shapes"),
         "world_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a count of ranks"),
@@ -255,19 +264,13 @@ class Sharded(Backend):
         msd, osd = get_state_dict(run.model, run.optimizer)
         if not sharded.finite(run.model, run.world_size, run.groups.host):  # agreed: every rank raises, or none
             raise ValueError(f"weights are not finite at step {run.pos.step}")
-        rngs = _rngs(run)
-        record = None
-        if run.rank == 0:
-            assert rngs is not None
+        record = _record(run, finished, elapsed_s)
+        if record is not None:  # rank 0
             own = {
                 "model_shapes": sharded.model_shapes(run.model),
                 "optimizer_layout": sharded.optimizer_layout(run.optimizer, osd),
             }
-            record = (
-                state.record(run.scheduler, run.task, run.pos, finished, elapsed_s, rngs, run.world_size, _scaler(run))
-                | own
-                | extra
-            )
+            record = record | own | extra
         return {"model": msd, "optim": osd}, record
 
     def restore(self, path: Path, record: dict[str, Any], run: Objects) -> Position:
@@ -283,7 +286,7 @@ class Sharded(Backend):
         except dcp_safe.FAILED as exc:  # the gate checked the index against the run: this is a read failing
             raise format.CheckpointError(f"cannot load checkpoint {path}: {dcp_safe.unwrap(exc)}") from None
         set_state_dict(run.model, run.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
-        return _rest(record, run, "a sharded checkpoint", "(shards re-split by DCP; see docs/scaling.md)")
+        return _rest(self, record, run, "a sharded checkpoint", "(shards re-split by DCP; see docs/scaling.md)")
 
     def load_whole(self, path: Path, record: dict[str, Any]) -> dict[str, Any]:
         import warnings

@@ -72,7 +72,11 @@ class Checkpointer:
         self._root: tuple[int, int] | None = None  # the run directory's (device, inode), from the first save on
         self.reference = {k: tuple(v) for k, v in sharded.model_shapes(run.model).items()}
         self.gate = gate.Gate(
-            backend, paths, [gate.same_config(cfg), gate.same_model(self.reference)], template=template
+            backend,
+            paths,
+            [gate.same_config(cfg), gate.same_model(self.reference)],
+            template=template,
+            parts=getattr(run, "parts", None),  # the run's parts, those registered later too
         )
         self._seen: dict[Any, Any] = {}  # pruning's verdicts on the kept entries, by identity
         self._best_of: dict[int, int | None] = {}  # step saved -> the step of the best checkpoint then
@@ -138,7 +142,9 @@ class Checkpointer:
         """Whether the state after ``step`` is saved: at the end of an epoch, and every ``every_steps``."""
         return end_of_epoch or bool(self.every_steps and step % self.every_steps == 0)
 
-    def save(self, finished: bool, elapsed_s: float, extra: dict[str, Any], urgent: bool = False) -> Path | None:
+    def save(
+        self, finished: bool, elapsed_s: float, extra: dict[str, Any] | None = None, urgent: bool = False
+    ) -> Path | None:
         """Every rank, at the same step: capture the state and write it (rank 0 writes a whole file; every
         rank its shards). Returns the path when the write was synchronous (logged here), None when it was
         handed to the background writer (logged when durable). ``urgent``: the caller waits for it next.
@@ -146,7 +152,7 @@ class Checkpointer:
         step = self.run.pos.step
         self._best_of[step] = self.run.pos.best_step
         try:
-            snapshot: Any = self.backend.capture(self.run, finished, elapsed_s, extra)  # a collective
+            snapshot: Any = self.backend.capture(self.run, finished, elapsed_s, extra or {})  # a collective
         except ValueError as exc:  # raised where the write happens, so that every rank raises it
             snapshot = NonFiniteWeights(f"{exc}: not saving them; the last good checkpoint is kept (lower train.lr?)")
 

@@ -113,6 +113,7 @@ def save(
     state: dict[str, Any],
     keep: int,
     shared: bool = False,
+    *,
     cancel: threading.Event | None = None,
     seen: dict[Any, Any] | None = None,
     prune: Callable[[Path], None] | None = None,

@@ -66,13 +66,15 @@ class Gate:
 
     ``accept``: the caller's judgement of a record (this run's config and model); ``template``: the run's
     structure that the optimizer and schedule must fit (None: not checked); ``resumable``: the record must
-    hold everything a resume reads (``schema.check``; off for readers that only want the weights)."""
+    hold everything a resume reads (``schema.check``; off for readers that only want the weights); ``parts``:
+    the run's registered parts (``parts.Parts``), whose checks a record passes (None: the standard parts')."""
 
     backend: Backend
     paths: RunPaths
     accept: list[Accept] = field(default_factory=list)
     template: fit.Template | None = None
     resumable: bool = True
+    parts: Any = None
 
     def candidates(self) -> list[tuple[int, Path]]:
         return self.backend.candidates(self.paths)
@@ -95,7 +97,7 @@ class Gate:
         if step is not None and record["step"] != step:
             raise ValueError(f"it holds step {record['step']}, not the step its name says")
         if self.resumable:
-            schema.check(record, self.backend.extra)
+            schema.check(record, self.backend.extra, None if self.parts is None else self.parts.checks())
         self.check(record)
         return record
 

@@ -13,116 +13,40 @@ before it instead of resuming somewhere else or crashing on every requeue.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ddp_slurm import skips
+from ddp_slurm.train.checkpoint.parts import Check, check_values
+from ddp_slurm.train.checkpoint.standard import KINDS, count
+
+# key -> (check, what it must be): every resumable record holds these, whatever its backend; and the keys
+# checked where a record holds them (checkpoints made before them do not). Both from the standard parts.
+RESUMABLE: dict[str, Check] = {k: c for kind in KINDS for k, c in kind.keys.items()}
+OPTIONAL: dict[str, Check] = {k: c for kind in KINDS for k, c in kind.optional.items()}
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _time(value: Any) -> bool:
-    return _number(value) and value >= 0
-
-
-def _mapping(value: Any) -> bool:
-    return isinstance(value, dict)
-
-
-def _config(value: Any) -> bool:
-    return isinstance(value, dict) and isinstance(value.get("task"), str)
-
-
-# key -> (check, what it must be); every resumable record holds these, whatever its backend
-RESUMABLE: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "step": (_count, "a count"),
-    "epoch": (_count, "a count"),
-    "step_in_epoch": (_count, "a count"),
-    "finished": (lambda v: isinstance(v, bool), "true or false"),
-    "elapsed_s": (_time, "a time"),
-    "best": (lambda v: v is None or _number(v), "a number or null"),
-    "scheduler": (_mapping, "a mapping"),
-    "task": (_mapping, "a mapping"),
-    "config": (_config, "a config mapping naming its task"),
-    "rng": (lambda v: isinstance(v, list) and bool(v), "a list of every rank's streams"),
-}
-
-
-def _scaler(value: Any) -> bool:
-    """None, or a gradient scaler's state as ``torch.amp.GradScaler.state_dict`` makes it (fp16)."""
-    if value is None:
-        return True
-    if not isinstance(value, dict) or set(value) != {
-        "scale",
-        "growth_factor",
-        "backoff_factor",
-        "growth_interval",
-        "_growth_tracker",
-    }:
-        return False
-    return (
-        all(_number(value[k]) and value[k] > 0 for k in ("scale", "growth_factor", "backoff_factor"))
-        and _count(value["growth_interval"])
-        and value["growth_interval"] > 0
-        and _count(value["_growth_tracker"])
-    )
-
-
-def _guard(value: Any) -> bool:
-    """The guard's state as ``guard.state`` writes it: empty, or its statistics, skipped steps and rollbacks."""
-    if not isinstance(value, dict):
-        return False
-    if not value:
-        return True
-    mean = value.get("mean")
-    return (
-        set(value) == {"mean", "dev", "seen", "skips", "rollbacks"}
-        and (mean is None or _number(mean))
-        and _number(value["dev"])
-        and value["dev"] >= 0
-        and _count(value["seen"])
-        and _count(value["rollbacks"])
-        and skips.valid(value["skips"])
-    )
-
-
-# key -> (check, what it must be); checked where a record holds it (checkpoints made before it existed do not)
-OPTIONAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "scaler": (_scaler, "null or a gradient scaler's state"),
-    "best_step": (lambda v: v is None or _count(v), "a count or null"),
-    "stale": (_count, "a count"),
-    "evaluated": (_count, "a count"),
-    "guard": (_guard, "the guard's state (loss statistics, skipped steps, rollbacks)"),
-}
-
-
-def check(record: Mapping[str, Any], extra: Mapping[str, tuple[Callable[[Any], bool], str]] = {}) -> None:
+def check(
+    record: Mapping[str, Any],
+    extra: Mapping[str, Check] = {},
+    parts: tuple[Mapping[str, Check], Mapping[str, Check]] | None = None,
+) -> None:
     """ValueError naming the first key of ``record`` that a resume could not use (``extra``: the backend's
-    own keys, checked the same way; ``OPTIONAL`` keys where present)."""
-    for key, (ok, what) in {**RESUMABLE, **extra}.items():
+    own keys, checked the same way; optional keys where present). ``parts``: the run's registered parts'
+    (required, optional) checks, where a run has more than the standard ones."""
+    required, optional = parts if parts is not None else (RESUMABLE, OPTIONAL)
+    for key in {**required, **extra}:
         if key not in record:
             raise ValueError(f"no {key!r} in it")
-        if not ok(record[key]):
-            raise ValueError(f"its {key} is not {what} ({record[key]!r:.40})")
-    for key, (ok, what) in OPTIONAL.items():
-        if key in record and not ok(record[key]):
-            raise ValueError(f"its {key} is not {what} ({record[key]!r:.40})")
+    check_values(record, {**required, **extra, **optional})
     for key in ("best_step", "evaluated"):
         if (record.get(key) or 0) > record["step"]:
             raise ValueError(f"its {key} {record[key]} is beyond its step {record['step']}")
     if record["step_in_epoch"] > record["step"]:
         raise ValueError(f"its step_in_epoch {record['step_in_epoch']} is beyond its step {record['step']}")
     world = record.get("world_size")
-    if world is not None and (not _count(world) or world != len(record["rng"])):
+    if world is not None and (not count(world) or world != len(record["rng"])):
         raise ValueError(f"its world_size {world!r:.20} does not match its {len(record['rng'])} RNG streams")
     rng_streams(record["rng"])
 
@@ -159,7 +83,7 @@ def shapes(value: Any) -> dict[str, tuple[int, ...]]:
         raise ValueError("its model_shapes is not a mapping of tensor shapes")
     out = {}
     for name, shape in value.items():
-        if not isinstance(name, str) or not isinstance(shape, (list, tuple)) or not all(_count(d) for d in shape):
+        if not isinstance(name, str) or not isinstance(shape, (list, tuple)) or not all(count(d) for d in shape):
             raise ValueError(f"its model_shapes entry {name!r:.40} is not a tensor shape")
         out[name] = tuple(shape)
     return out

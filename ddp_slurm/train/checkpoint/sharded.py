@@ -6,7 +6,7 @@ On disk::
         __0_0.distcp  __1_0.distcp ...   each rank's shards of the model and optimizer (torch DCP)
         .metadata                        DCP's index: which bytes of which file hold which tensor slice
         seal-0.json  seal-1.json ...     each rank's seal of the files it wrote (XXH3-128, as seal.py)
-        commit.pt                        written last: the record every checkpoint holds (state.record),
+        commit.pt                        written last: the record of the run's parts (parts.py),
                                          the model's shapes, the optimizer's layout, and the seal of every
                                          file above; sealed itself
 

@@ -38,6 +38,7 @@ from ddp_slurm import errors, skips
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.skips import Skips
 from ddp_slurm.slurmjob import badnodes
+from ddp_slurm.train.checkpoint.standard import GuardState
 from ddp_slurm.train.checkpoint.state import gather
 from ddp_slurm.train.guard import record, replay, spike
 from ddp_slurm.train.hooks import syncdebug
@@ -61,7 +62,8 @@ class Guard:
         run = t.run
         self.cfg = run.cfg.guard
         self.on = self.cfg.rollbacks > 0
-        state = run.pos.guard or spike.fresh()
+        self.part = run.parts.of(GuardState)  # the guard's state: a checkpoint part of its own
+        state = self.part.value or spike.fresh()
         self.flagged, noted = on_rank0(run.env, lambda: record.read(run.cfg.paths), run.groups.host)
         by_hand = skips.parse(self.cfg.skip) if self.cfg.skip else []
         self.skips = Skips([tuple(r) for r in state["skips"]] + noted + by_hand)
@@ -71,14 +73,14 @@ class Guard:
                 f"step of the run (1-{run.total_steps}): nothing would train; narrow guard.skip"
             )
         state["skips"], state["rollbacks"] = self.skips.as_list(), max(state["rollbacks"], len(self.flagged))
-        run.pos.guard = state
+        self.part.value = state
         run.batches.skip = self.skips.covers
         self.trace = replay.Trace() if self.on else None
         self.replay: _Replay | None = None
 
     @property
     def state(self) -> dict[str, Any]:
-        return self.t.run.pos.guard
+        return self.part.value
 
     def start(self) -> None:
         """Before the first step: a fresh guarded run saves step 0, so that a rollback always has a checkpoint."""
@@ -97,8 +99,7 @@ class Guard:
 
     def check(self, bad: bool) -> Iterator[Any] | None:
         """Once the ranks agreed on a step: the batches to go on with when the run moved, else None."""
-        losses = list(self.votes.losses)
-        self.votes.losses.clear()
+        losses = self.votes.take_losses()
         pos = self.t.run.pos
         if not self.on:
             if bad:
@@ -223,28 +224,25 @@ class Guard:
         verdict (a replay that flagged the step again would roll back to it for ever)."""
         votes, flagged = self.votes, False
         votes.settle()
-        for step, value in list(votes.losses):
+        for step, value in votes.take_losses():
             why = spike.observe(self.state, value, self.cfg.spike, self.cfg.warmup, self.cfg.window)
             flagged = flagged or (bool(why) and step == end)
         flagged = flagged or (bool(votes.bad) and votes.bad_step == end)
-        votes.losses.clear()
-        votes.bad = ""
+        votes.reset()
         return flagged
 
     def _go_back(self, before: int, rollbacks: int) -> int:
         """Every rank: the newest checkpoint before step ``before``, restored; the guard's skipped steps and
         rollbacks carried over (the checkpoint's own predate them). Returns the step gone back to."""
         run = self.t.run
-        self.votes.settle()
-        self.votes.losses.clear()
-        self.votes.bad = ""
+        self.votes.reset()
         restored = self.ckpt.go_back(before)
         if restored is None:
             raise GuardExhausted(
                 f"guard: no checkpoint of this run before step {before} to roll back to; stopping (exit 1)"
             )
-        restored.guard = (restored.guard or spike.fresh()) | {"skips": self.skips.as_list(), "rollbacks": rollbacks}
-        vars(run.pos).update(vars(restored))  # in place: the loop and the hooks hold this object
+        # the checkpoint's guard state predates the skips and rollbacks since: they carry over
+        self.part.value = (self.part.value or spike.fresh()) | {"skips": self.skips.as_list(), "rollbacks": rollbacks}
         return run.pos.step
 
     def _batches(self) -> Iterator[Any]:

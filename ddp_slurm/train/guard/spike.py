@@ -6,7 +6,7 @@ After ``guard.warmup`` steps, a loss above ``mean + guard.spike * max(deviation,
 a spike (and a non-finite loss) does not enter the statistics. The floor on the deviation keeps a loss that
 has flattened out from calling its first wobble a spike.
 
-The statistics are part of the position (``Position.guard``) and so of every checkpoint: a resumed run, and
+The statistics are a checkpoint part of their own (``checkpoint.standard.GuardState``), in every checkpoint: a resumed run, and
 a run rolled back, judge each later step exactly as the run left alone would.
 """
 

@@ -33,7 +33,7 @@ from ddp_slurm.train.hooks.trainline import TrainLine
 if TYPE_CHECKING:
     from ddp_slurm.train.run import Run
 
-__all__ = ["Hook", "Hooks", "Training", "standard"]
+__all__ = ["Hook", "Hooks", "Training", "for_run", "standard"]
 
 
 def standard(run: Run, dog: Any = None) -> Hooks:
@@ -47,3 +47,23 @@ def standard(run: Run, dog: Any = None) -> Hooks:
             ProgressDisplay(run),  # rank 0's bar or plain progress lines
         ]
     )
+
+
+def for_run(run: Run, dog: Any = None) -> Hooks:
+    """The run's hooks: the standard ones, then the task's own (``Task.hooks``); each hook's checkpoint parts
+    registered with the run (``run.parts``), before the checkpoint to resume from is judged and restored."""
+    from ddp_slurm import errors
+    from ddp_slurm.train.run import contributed
+
+    found = standard(run, dog)
+    for hook in run.task.hooks() or []:
+        if not isinstance(hook, Hook):
+            raise errors.UsageError(f"{type(run.task).__name__}.hooks() returned {hook!r:.60}: not a ddp_slurm.Hook")
+        found.add(hook)
+    for hook in found.hooks:
+        for part in contributed(hook):
+            try:
+                run.parts.add(part)
+            except ValueError as exc:
+                raise errors.UsageError(f"{type(hook).__name__}: {exc}") from None
+    return found

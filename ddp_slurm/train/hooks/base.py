@@ -58,6 +58,12 @@ class Hook:
 
     def end(self, t: Training) -> None: ...
 
+    def parts(self) -> list[Any]:
+        """The checkpoint parts of this feature's state (``checkpoint/parts.py``: ``Stateful(key, self)`` for an
+        object with ``state_dict`` / ``load_state_dict``): saved with every checkpoint and put back before
+        ``start``, so that a stop and a relaunch, or a rollback, leave the feature where it was."""
+        return []
+
 
 POINTS = ("start", "epoch_start", "before_step", "stepped", "boundary", "after_step", "epoch_end", "end")
 
