@@ -107,10 +107,10 @@ MISTAKES = {
         "step.py:{} (evaluate) all_reduce names the host group, but carries the train",
     ),
     "buffers-on-host": (  # a carrier's caller: the buffers handed the host group
-        "train/checkpoint/backends.py",
+        "train/checkpoint/capture.py",
         "take_rank0_buffers(run.model, run.world_size, run.groups.train)",
         "take_rank0_buffers(run.model, run.world_size, run.groups.host)",
-        "backends.py:{} (Sharded.capture) take_rank0_buffers(group=...) names the host group, but carries the train",
+        "capture.py:{} (ShardedCapture.capture) take_rank0_buffers(group=...) names the host group, but carries the train",
     ),
     "no-group": (  # a collective left on the default group
         "train/step.py",

@@ -115,7 +115,7 @@ def write(out: Path, backend: Any, path: Path, record: dict[str, Any], run_dir: 
         "checkpoint": path.name,
         "step": whole["step"],
         "epoch": whole["epoch"],
-        "strategy": backend.name,
+        "strategy": (whole.get("config") or {}).get("dist", {}).get("strategy"),  # the run's, as it recorded it
         "evaluation": _evaluation(run_dir, whole["step"]),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

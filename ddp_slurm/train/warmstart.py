@@ -59,8 +59,8 @@ def _source(spec: str, shared: bool, rules: list[gate.Accept], template: fit.Tem
             f"{what}: no such run directory or checkpoint file; give runs/<name> or one of its checkpoints"
         )
     else:
-        backend = backend_at(path)
         try:
+            backend = backend_at(path)
             record = backend.read(path)
         except ValueError as exc:
             raise UsageError(

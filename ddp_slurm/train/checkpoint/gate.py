@@ -157,17 +157,29 @@ def backend_of(paths: RunPaths, preferred: Backend | None = None) -> Backend:
 
 def foreign_kind(paths: RunPaths, ours: Backend) -> str | None:
     """Why a run whose checkpoints are ``ours`` cannot resume ``paths``: it holds another backend's. A run
-    keeps the strategy it started with: files (ddp) and folders of shards (fsdp) are not converted."""
+    keeps the format it started with: files and folders of shards are not converted. The strategy to launch
+    with is the one the found checkpoint's own config records."""
     for other in BACKENDS:
         if other is not ours and type(other) is not type(ours):
             found = other.candidates(paths)
             if found:
+                strategy = _strategy_of(other, found[0][1], paths.shared)
                 return (
-                    f"run directory {paths.root} holds dist.strategy={other.name} checkpoints ({found[0][1].name}); "
-                    f"a run keeps its strategy: launch with dist.strategy={other.name} to resume it, or choose "
-                    "another run.name"
+                    f"run directory {paths.root} holds dist.strategy={strategy} checkpoints ({other.kind}: "
+                    f"{found[0][1].name}); a run keeps its strategy: launch with dist.strategy={strategy} to resume it, "
+                    "or choose another run.name"
                 )
     return None
+
+
+def _strategy_of(backend: Backend, path: Path, shared: bool) -> str:
+    """The ``dist.strategy`` a trusted checkpoint's recorded config names ("?" where it cannot be read)."""
+    try:
+        backend.trust(path, shared)
+        config = backend.summary(path)[1]
+        return str(config["dist"]["strategy"])
+    except Exception:  # a damaged record: the message still names the format
+        return "?"
 
 
 def _say_owner(path: Path) -> None:
