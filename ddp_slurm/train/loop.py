@@ -61,7 +61,8 @@ def train(
     chosen here for a new run and the very checkpoint file a warm start located (config.yaml and every
     checkpoint record that copy). ``named(cfg)`` is given the copy as soon as the run is named."""
     started = time.monotonic()
-    check_precision(loaded.train.precision, device, strategy.of(loaded.dist.strategy))
+    chosen = strategy.of(loaded.dist.strategy)  # decided once: everything below asks this object
+    check_precision(loaded.train.precision, device, chosen)
     settings = determinism.apply(loaded.train.deterministic, device)  # before the first kernel runs
     if settings and env.rank == 0:
         log.info("train.deterministic: %s", ", ".join(settings))
@@ -84,7 +85,7 @@ def train(
     # Downloads happen once (the other ranks wait), and before the run directory exists: data that cannot
     # be had stops the launch with nothing created.
     on_rank0(env, task.prepare_data, host)
-    run = build(cfg, task, env, device, strategy.of(cfg.dist.strategy), groups)
+    run = build(cfg, task, env, device, chosen, groups)
     side = hooks.for_run(run, dog)  # side features, their checkpoint parts registered before any is judged
     # the run's structure a checkpoint must fit: built on the meta device, on rank 0 only (the one that judges)
     template = fit.of_task(task, cfg.train) if env.rank == 0 else None
