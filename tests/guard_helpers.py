@@ -87,9 +87,11 @@ class Poison(Task):
             if self.ids.device != idx.device:  # on a GPU: once, at the first step (before the sync-debug watch)
                 self.ids = self.ids.to(idx.device)
             loss = loss * torch.where(torch.isin(idx, self.ids).any(), 1e6, 1.0)
+        if not model.training:  # the guard trying samples one at a time (eval mode): no training step
+            return loss
         self.calls += 1
         p = self.config.poison
-        if p.noise and model.training:
+        if p.noise:
             if not hasattr(self, "entropy"):  # unseeded: a replay never draws the same noise
                 self.entropy = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
             w = next(model.parameters())

@@ -298,17 +298,18 @@ def test_mixed_precision_on_cpu_resumes_bit_identical(
 
 
 def test_the_guard_replays_bf16_steps_bit_for_bit_under_fsdp(tmp_path: Path) -> None:
-    """bf16 under fsdp with the guard on (2 ranks): poisoned samples are rolled back and replayed, the replay
-    computes the same bits (the verdict "reproduced" needs them), the steps are skipped, and the run ends
-    torch.equal to one told to skip those steps from the start."""
+    """bf16 under fsdp with the guard on (2 ranks): a poisoned sample is rolled back and replayed, the replay
+    computes the same bits (the verdict "reproduced" needs them), the step is skipped and the sample, tried
+    one at a time in bf16, is named and left out of the next epoch; the run ends torch.equal to one told to
+    skip that step and that sample from the start."""
     write_poison_task(tmp_path)
     args = [*GUARDED, "train.precision=bf16", "dist.strategy=fsdp"]
     test_guard.train(tmp_path, 2, *args, "poison.ids=300", "run.name=poisoned")
-    test_guard.train(tmp_path, 2, *args, "guard.skip=9,18", "run.name=skipped")
+    test_guard.train(tmp_path, 2, *args, "guard.skip=9", "guard.drop=300@1", "run.name=skipped")
     run_dir = tmp_path / "runs" / "poisoned"
     replays = [(r["verdict"], r["first"] == r["replay"]) for r in test_guard.rows(run_dir, "replay")]
-    assert replays == [("reproduced", True)] * 2
-    assert [r["steps"] for r in test_guard.rows(run_dir, "skip")] == [[9, 9], [18, 18]]
+    assert replays == [("reproduced", True)]
+    assert [(r["steps"], r["bad_samples"]) for r in test_guard.rows(run_dir, "skip")] == [([9, 9], [[300, 0]])]
     assert same_weights(run_dir, tmp_path / "runs" / "skipped")
 
 

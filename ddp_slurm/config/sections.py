@@ -26,6 +26,11 @@ def _skips(v: str) -> bool:
     return skips.parse(v) is not None
 
 
+def _drops(v: str) -> bool:
+    """True, or ValueError saying what is wrong with a list of samples left out (``skips.parse_samples``)."""
+    return skips.parse_samples(v) is not None
+
+
 def checked(
     default: Any = dataclasses.MISSING,
     *,
@@ -207,3 +212,9 @@ class GuardConfig:
     """Steps whose batches are never trained on, by hand (the guard adds its own): ``first-last`` ranges and
     single steps, comma-separated, as the log counts steps. A skipped step moves the data on without an
     update; every other step keeps its batch."""
+    drop: str | None = checked(
+        None, check=lambda v: v is None or bool(_drops(v)), expected="null or dataset indices like '300,512@2'"
+    )
+    """Samples never trained on, by hand (the guard adds those it finds bad): dataset indices, comma-separated,
+    each left out of every epoch, or from epoch E on with ``INDEX@E`` (epochs counted from 0, as metrics.jsonl
+    counts them). A sample left out leaves its global batch one smaller; every other sample keeps its place."""

@@ -159,7 +159,11 @@ _GUARD_FIELDS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "hosts": (_list_of(lambda v: isinstance(v, str)), "a list of host names"),
         "at": (_is_int, "an integer"),
     },
-    "skip": {"steps": _STEPS, "samples": (_list_of(_is_int, 2), "a [start, end) pair of sample positions")},
+    "skip": {
+        "steps": _STEPS,
+        "samples": (_list_of(_is_int, 2), "a [start, end) pair of sample positions"),
+        "bad_samples": (_list_of(_list_of(_is_int, 2)), "a list of [dataset index, epoch] pairs"),
+    },
 }
 _REQUIRED = {"rollback": "to", "replay": "verdict", "skip": "steps"}
 

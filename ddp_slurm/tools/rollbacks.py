@@ -59,9 +59,11 @@ def describe(rollback: Rollback) -> str:
         text += "; replay reproduced it"
         if rollback.skip is not None:
             first, last = rollback.skip["steps"]
-            samples = rollback.skip.get("samples")
+            samples, bad = rollback.skip.get("samples"), rollback.skip.get("bad_samples")
             # The line holds [start, end) of the data order; people count the samples they name inclusively.
             shown = f" (samples {samples[0]}-{samples[1] - 1})" if samples else ""
+            if bad:  # the samples found bad, by dataset index: left out from then on
+                shown = f" (bad sample(s) {', '.join(str(i) for i, _ in bad)}, left out of later epochs)"
             text += f": skipped {_steps(first, last)}{shown}"
         return text
     if replay.get("verdict") != "not reproduced":  # one this reader does not know: shown as it is

@@ -5,7 +5,9 @@ Both paths draw the same global order: epoch ``e`` visits the samples in ``randp
 its ``G / world_size`` consecutive samples of it. The order is a pure function of (seed, epoch, step),
 so resuming at step ``s`` is exact with no state at all, at any world size: the same global batches,
 split among however many ranks there now are. The ragged tail of an epoch is dropped (unequal batches
-would change the math between world sizes).
+would change the math between world sizes). Samples the guard found bad (``drop``: dataset index -> the
+epoch it was found in) are left out of their global batch from that epoch on; every other sample keeps its
+place, so the order stays a pure function of (seed, epoch, step) and the guard's record.
 
 ``InMemory`` (``Tensors``): the tensors live on the device; a batch is one ``index_select`` per tensor.
 
@@ -84,6 +86,11 @@ def kept_steps(epoch: int, start_step: int, per_epoch: int, skip: Callable[[int]
     return list(steps) if skip is None else [s for s in steps if not skip(epoch * per_epoch + s + 1)]
 
 
+def dropped(drop: dict[int, int], epoch: int) -> set[int]:
+    """The dataset indices left out of ``epoch``: the bad samples found in it or before."""
+    return {index for index, found in drop.items() if found <= epoch}
+
+
 class InMemory:
     """Batches gathered by index from tensors held on the device: no workers, no per-sample Python."""
 
@@ -92,15 +99,29 @@ class InMemory:
         self.seed, self.global_batch, self.rank, self.world = seed, global_batch, rank, world
         self.steps_per_epoch = steps_per_epoch(len(data), global_batch)
         self.skip: Callable[[int], bool] | None = None  # the run's skipped steps (set by the guard)
+        self.drop: dict[int, int] = {}  # the bad samples (set by the guard): dataset index -> epoch found
 
     def epoch(self, epoch: int, start_step: int) -> Iterator[tuple[torch.Tensor, ...]]:
-        order = epoch_permutation(len(self.data), self.seed, epoch)
-        if self.device.type == "cuda":  # from pinned memory the copy is queued: no host sync at an epoch's start
-            order = order.pin_memory()
+        host = epoch_permutation(len(self.data), self.seed, epoch)
+        bad = dropped(self.drop, epoch)
+        keep = ~torch.isin(host, torch.tensor(sorted(bad), dtype=host.dtype)) if bad else None  # on the host
+        order = host.pin_memory() if self.device.type == "cuda" else host  # pinned: the copy is queued, no sync
         order = order.to(self.device, non_blocking=True)  # indices on the device
         for step in kept_steps(epoch, start_step, self.steps_per_epoch, self.skip):
-            index = order[rank_slice(step, self.global_batch, self.rank, self.world)]
+            where = rank_slice(step, self.global_batch, self.rank, self.world)
+            if keep is not None and not bool(keep[where].all()):  # a bad sample in this slice: left out
+                index = host[where][keep[where]]
+                index = (index.pin_memory() if self.device.type == "cuda" else index).to(self.device, non_blocking=True)
+            else:
+                index = order[where]
             yield tuple(t.index_select(0, index) for t in self.data.tensors)
+
+    def samples(self, epoch: int, step: int) -> list[tuple[int, Any]]:
+        """This rank's samples of ``step`` (in the epoch) one by one: (dataset index, a batch of one)."""
+        ids = epoch_permutation(len(self.data), self.seed, epoch)[
+            rank_slice(step, self.global_batch, self.rank, self.world)
+        ]
+        return [(i, tuple(t[i : i + 1] for t in self.data.tensors)) for i in ids.tolist()]
 
 
 class StepSampler:
@@ -116,14 +137,17 @@ class StepSampler:
         )
         self.epoch, self.start_step = 0, 0
         self.skip: Callable[[int], bool] | None = None  # the run's skipped steps (set by the guard)
+        self.drop: dict[int, int] = {}  # the bad samples (set by the guard): dataset index -> epoch found
 
     def set_position(self, epoch: int, start_step: int) -> None:
         self.epoch, self.start_step = epoch, start_step
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         order = epoch_permutation(self.num_samples, self.seed, self.epoch).tolist()
+        bad = dropped(self.drop, self.epoch)
         for step in self._steps():
-            yield [(self.epoch, i) for i in order[rank_slice(step, self.global_batch, self.rank, self.world)]]
+            ids = order[rank_slice(step, self.global_batch, self.rank, self.world)]
+            yield [(self.epoch, i) for i in ids if i not in bad]
 
     def __len__(self) -> int:
         return len(self._steps())
@@ -210,6 +234,25 @@ class DatasetBatches:
     @skip.setter
     def skip(self, skip: Callable[[int], bool] | None) -> None:
         self.sampler.skip = skip
+
+    @property
+    def drop(self) -> dict[int, int]:
+        return self.sampler.drop
+
+    @drop.setter
+    def drop(self, drop: dict[int, int]) -> None:
+        self.sampler.drop = drop
+
+    def samples(self, epoch: int, step: int) -> list[tuple[int, Any]]:
+        """This rank's samples of ``step`` (in the epoch) one by one: (dataset index, a batch of one), fetched
+        with the seeds a worker uses (``SeededSamples``), in this process."""
+        from torch.utils.data import default_collate
+
+        seeded, s = SeededSamples(self.dataset, self.sampler.seed), self.sampler
+        ids = epoch_permutation(s.num_samples, s.seed, epoch).tolist()[
+            rank_slice(step, s.global_batch, s.rank, s.world)
+        ]
+        return [(i, to_device(default_collate([seeded[(epoch, i)]]), self.device)) for i in ids]
 
     def epoch(self, epoch: int, start_step: int) -> Iterator[Any]:
         self.sampler.set_position(epoch, start_step)  # read when the loader's iterator starts

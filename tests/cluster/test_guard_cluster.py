@@ -4,15 +4,15 @@ Two jobs of sbatch/mnist_4node.sh side by side (two 4-node jobs of one CPU per r
 at once), 4 ranks on 4 nodes, the poison task of tests/guard_helpers.py selected by a file in the
 submit directory (``task=poison_task.py:Poison``) with ``GUARDED`` and ``poison.ids=300``: sample 300
 lies in step 9's batch (epoch 1) and in step 18's (epoch 2), and its loss is a spike the guard rolls
-back from, replays, sees reproduced and skips. Each step sleeps a second, so that a signal lands
-between steps.
+back from, replays, sees reproduced and skips; the replay names sample 300, which epoch 2 leaves out of
+step 18's batch (no second rollback). Each step sleeps a second, so that a signal lands between steps.
 
-``guard_ref``   left alone: a rollback and a skip at step 9, the same at step 18, the end at step 32.
+``guard_ref``   left alone: a rollback and a skip at step 9 naming sample 300, the end at step 32.
 ``guard_usr2``  the same job, ``scancel --signal=USR2`` as soon as its metrics.jsonl has step 9's skip
                 line (the run has just gone back to step 5): rank 0 checkpoints at step 6-8 and
                 requeues; the relaunch (restart 1) resumes there, goes through step 9 keeping the skip
-                (no second rollback for step 9), rolls back at step 18 like the reference and ends
-                bit-identical to ``guard_ref``.
+                (no second rollback for step 9) and through step 18 without sample 300 (kept too: no
+                rollback there), and ends bit-identical to ``guard_ref``.
 
 Every run uses one thread per rank (``--cpus-per-task=1``), so reruns are bit-for-bit repeatable.
 """
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.cluster
 STEPS = 2 * 512 // 32  # GUARDED: 2 epochs of the task's 512 samples, global batch 32
 POISONED = [*GUARDED, "poison.ids=300", "poison.sleep=1.0"]
 JOB_TIMEOUT_S = 300.0
-SKIPS = [[9, 9], [18, 18]]
+SKIPS = [[9, 9]]
 
 
 class GuardDriver(Driver):
@@ -108,7 +108,7 @@ def test_usr2_requeue_after_a_skip_keeps_it_and_ends_bit_identical(guard_jobs, s
     assert_completed(ref, restarts=0)
     assert sorted(rank_hosts(ref).values()) == sorted(slurm_cluster.nodes)  # 4 ranks, one per node
     assert ref.rows("start")[0]["world_size"] == 4
-    every_step = [("rollback", 9), ("replay", 9), ("skip", 9), ("rollback", 18), ("replay", 18), ("skip", 18)]
+    every_step = [("rollback", 9), ("replay", 9), ("skip", 9)]
     assert guard_events(ref) == every_step, ref.describe()
 
     assert_completed(job, restarts=1)
@@ -121,14 +121,15 @@ def test_usr2_requeue_after_a_skip_keeps_it_and_ends_bit_identical(guard_jobs, s
     assert starts[1]["resumed"] is True and starts[1]["restart_count"] == 1, starts
     assert starts[1]["step"] == stop["step"], f"resumed at {starts[1]['step']}, not at {stop['step']}"
     # The relaunch kept the skip: one rollback for step 9 in the whole job, the one of the first run.
-    assert [r["step"] for r in job.rows("rollback")] == [9, 18], job.describe()
+    assert [r["step"] for r in job.rows("rollback")] == [9], job.describe()
     assert guard_events(job) == every_step, job.describe()
     assert "restart 0 on 4 node(s)" in job.log_text() and "restart 1 on 4 node(s)" in job.log_text()
 
     finals = []
     for j in (ref, job):
-        assert guard_file(j) == [("rollback", 9), ("skip", 9), ("rollback", 18), ("skip", 18)], j.name
+        assert guard_file(j) == [("rollback", 9), ("skip", 9)], j.name
         finals.append(checkpoint.load_latest(j.run_dir)["guard"])
-        assert finals[-1]["skips"] == SKIPS and finals[-1]["rollbacks"] == 2, (j.name, finals[-1])
+        assert finals[-1]["skips"] == SKIPS and finals[-1]["rollbacks"] == 1, (j.name, finals[-1])
+        assert finals[-1]["samples"] == [[300, 0]], (j.name, finals[-1])
     assert finals[0] == finals[1]  # the loss statistics too: the stop lost no step's loss
     assert_same_weights(job, ref)

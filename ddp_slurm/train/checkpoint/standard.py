@@ -169,9 +169,11 @@ def guard_state(value: Any) -> bool:
         return False
     if not value:
         return True
-    mean = value.get("mean")
+    mean, samples = value.get("mean"), value.get("samples", [])
     return (
-        set(value) == {"mean", "dev", "seen", "skips", "rollbacks"}
+        set(value) - {"samples"} == {"mean", "dev", "seen", "skips", "rollbacks"}  # samples: since bad samples
+        and isinstance(samples, list)
+        and all(isinstance(p, list) and len(p) == 2 and all(count(v) for v in p) for p in samples)
         and (mean is None or number(mean))
         and number(value["dev"])
         and value["dev"] >= 0

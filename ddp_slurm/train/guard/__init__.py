@@ -40,7 +40,7 @@ from ddp_slurm.skips import Skips
 from ddp_slurm.slurmjob import badnodes
 from ddp_slurm.train.checkpoint.standard import GuardState
 from ddp_slurm.train.checkpoint.state import gather
-from ddp_slurm.train.guard import record, replay, spike
+from ddp_slurm.train.guard import culprits, record, replay, spike
 from ddp_slurm.train.hooks import syncdebug
 
 log = logging.getLogger("ddp_slurm")
@@ -64,7 +64,9 @@ class Guard:
         self.on = self.cfg.rollbacks > 0
         self.part = run.parts.of(GuardState)  # the guard's state: a checkpoint part of its own
         state = self.part.value or spike.fresh()
-        self.flagged, noted = on_rank0(run.env, lambda: record.read(run.cfg.paths), run.groups.host)
+        self.flagged, noted, noted_samples = on_rank0(
+            run.env, lambda: (*record.read(run.cfg.paths), record.bad_samples(run.cfg.paths)), run.groups.host
+        )
         by_hand = skips.parse(self.cfg.skip) if self.cfg.skip else []
         self.skips = Skips([tuple(r) for r in state["skips"]] + noted + by_hand)
         if run.total_steps and self.skips.covers_all(1, run.total_steps):  # it would "finish" an untrained model
@@ -73,8 +75,13 @@ class Guard:
                 f"step of the run (1-{run.total_steps}): nothing would train; narrow guard.skip"
             )
         state["skips"], state["rollbacks"] = self.skips.as_list(), max(state["rollbacks"], len(self.flagged))
+        by_hand_samples = [list(p) for p in skips.parse_samples(self.cfg.drop)] if self.cfg.drop else []
+        state["samples"] = sorted({tuple(p) for p in state.get("samples", []) + noted_samples + by_hand_samples})
+        state["samples"] = [list(p) for p in state["samples"]]
         self.part.value = state
         run.batches.skip = self.skips.covers
+        if hasattr(run.batches, "drop"):
+            run.batches.drop = {i: e for i, e in state["samples"]}  # the bad samples, left out from their epoch on
         self.trace = replay.Trace() if self.on else None
         self.replay: _Replay | None = None
 
@@ -176,20 +183,25 @@ class Guard:
         if reproduced or (nobody and again):
             self.skips.add([rp.window])
             g = run.cfg.train.global_batch_size
+            self._line("replay", rp.end, verdict="reproduced", exact=reproduced, suspect=list(rp.window), **digests)
+            self.trace = replay.Trace()
+            self._go_back(first, self.state["rollbacks"])
+            bad = self._culprits(rp.end)
+            named = (
+                f"sample(s) {', '.join(map(str, bad))} (dataset index), left out of every later epoch"
+                if bad
+                else (f"samples {(first - 1) * g}-{last * g - 1} of the data order; no sample alone explains it")
+            )
             self._say(
-                "guard: the replay %s step %d%s: the data of %s is bad (samples %d-%d of the data order); "
-                "skipping it and going back again",
+                "guard: the replay %s step %d%s: the data of %s is bad: %s; skipping it and going back again",
                 "reproduced" if reproduced else "flagged",
                 rp.end,
                 "" if reproduced else f" again, though every rank computed differently ({NONDETERMINISM})",
                 _steps(rp.window),
-                (first - 1) * g,
-                last * g - 1,
+                named,
             )
-            self._line("replay", rp.end, verdict="reproduced", exact=reproduced, suspect=list(rp.window), **digests)
-            self._line("skip", rp.end, steps=[first, last], samples=[(first - 1) * g, last * g])
-            self.trace = replay.Trace()
-            self._go_back(first, self.state["rollbacks"])
+            found = [[i, (rp.end - 1) // run.steps_per_epoch] for i in bad]
+            self._line("skip", rp.end, steps=[first, last], samples=[(first - 1) * g, last * g], bad_samples=found)
             return True
         self.trace = rp.trace
         if nobody:
@@ -218,6 +230,19 @@ class Guard:
             badnodes.record(run.cfg.run_dir, hosts, env.job_id, env.restart_count, why, shared=run.cfg.run.shared)
         return False
 
+    def _culprits(self, step: int) -> list[int]:
+        """Every rank, back before the bad step: its culprits (``culprits.py``), left out of the data from the
+        epoch they were found in on. None under ``train.cuda_graphs``: a captured step keeps its batch's shape."""
+        run = self.t.run
+        if run.cfg.train.cuda_graphs or not hasattr(run.batches, "samples"):
+            return []
+        bad = culprits.find(run, step, spike.limit(self.state, self.cfg.spike, self.cfg.warmup))
+        epoch = (step - 1) // run.steps_per_epoch
+        self.state["samples"] = sorted({tuple(p) for p in self.state["samples"]} | {(i, epoch) for i in bad})
+        self.state["samples"] = [list(p) for p in self.state["samples"]]
+        run.batches.drop = {i: e for i, e in self.state["samples"]}
+        return bad
+
     def _flagged_at_end(self, end: int) -> bool:
         """Whether the replay flagged its last step (a spike, a non-finite loss). The vote carries that step's
         loss one step late: it is waited for and judged here, so that it is not judged again after the
@@ -236,13 +261,15 @@ class Guard:
         rollbacks carried over (the checkpoint's own predate them). Returns the step gone back to."""
         run = self.t.run
         self.votes.reset()
+        samples = list(self.state.get("samples", []))  # the restore below puts the checkpoint's older state back
         restored = self.ckpt.go_back(before)
         if restored is None:
             raise GuardExhausted(
                 f"guard: no checkpoint of this run before step {before} to roll back to; stopping (exit 1)"
             )
         # the checkpoint's guard state predates the skips and rollbacks since: they carry over
-        self.part.value = (self.part.value or spike.fresh()) | {"skips": self.skips.as_list(), "rollbacks": rollbacks}
+        carried = {"skips": self.skips.as_list(), "rollbacks": rollbacks, "samples": samples}
+        self.part.value = (self.part.value or spike.fresh()) | carried
         return run.pos.step
 
     def _batches(self) -> Iterator[Any]:

@@ -5,7 +5,8 @@ would resume from a checkpoint that predates them: the run would train the bad s
 cap would count from too few. So rank 0 appends a line as each happens, and every launch takes the union
 (skipped steps) and the maximum (rollbacks) of this file and the checkpoint it resumes.
 
-Lines: ``{"event": "rollback", "step": S, "to": C, ...}`` and ``{"event": "skip", "steps": [A, B], ...}``,
+Lines: ``{"event": "rollback", "step": S, "to": C, ...}`` and ``{"event": "skip", "steps": [A, B], ...}``
+(with ``"bad_samples": [[index, epoch], ...]``: the samples found bad, left out from that epoch on),
 appended and read back through ``safefs`` (never through a link, at most 1 MiB). A line that is not JSON was
 cut short by a kill (the next append starts on a line of its own) and is passed over; JSON that is not one of
 these lines is refused in one line naming the file, since what it says decides which data trains.
@@ -50,3 +51,27 @@ def read(paths: RunPaths) -> tuple[set[int], list[tuple[int, int]]]:
                 f"{paths.guard} line {number} is not a rollback or a skip this program wrote: remove that line"
             )
     return flagged, skips.merged(ranges)
+
+
+def bad_samples(paths: RunPaths) -> list[list[int]]:
+    """The ``[dataset index, epoch found]`` pairs the skip lines name (``culprits.py``); [] without the file. Read
+    after ``read``, which refuses a file this program did not write; a pair that is not two counts is passed over."""
+    text = safefs.read_small(paths.guard) or ""
+    found = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("event") == "skip" and isinstance(row.get("bad_samples"), list):
+            found += [list(p) for p in row["bad_samples"] if sample_pair(p)]
+    return found
+
+
+def sample_pair(value: Any) -> bool:
+    """``[dataset index, epoch]``: two counts."""
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    )

@@ -20,7 +20,15 @@ FLOOR = 0.01  # the deviation is at least this share of |mean|
 
 def fresh() -> dict[str, Any]:
     """The guard's state before the first step: no statistics, no skipped steps, no rollbacks."""
-    return {"mean": None, "dev": 0.0, "seen": 0, "skips": [], "rollbacks": 0}
+    return {"mean": None, "dev": 0.0, "seen": 0, "skips": [], "rollbacks": 0, "samples": []}
+
+
+def limit(state: dict[str, Any], k: float | None, warmup: int) -> float | None:
+    """The loss above which a step is a spike now (None: none is, yet or with ``guard.spike`` off)."""
+    mean = state["mean"]
+    if mean is None or k is None or state["seen"] < warmup:
+        return None
+    return mean + k * max(state["dev"], FLOOR * abs(mean))
 
 
 def observe(state: dict[str, Any], loss: float, k: float | None, warmup: int, window: int) -> str:
@@ -29,10 +37,10 @@ def observe(state: dict[str, Any], loss: float, k: float | None, warmup: int, wi
     if not math.isfinite(loss):
         return ""  # the non-finite flag says so, with its own line
     mean, dev = state["mean"], state["dev"]
-    if mean is not None and k is not None and state["seen"] >= warmup:
+    above = limit(state, k, warmup)
+    if above is not None and loss > above:
         scale = max(dev, FLOOR * abs(mean))
-        if loss > mean + k * scale:
-            return f"loss {loss:.4g} is {(loss - mean) / scale:.1f} deviations above its running mean {mean:.4g}"
+        return f"loss {loss:.4g} is {(loss - mean) / scale:.1f} deviations above its running mean {mean:.4g}"
     alpha = 2.0 / (window + 1)
     if mean is None:
         state["mean"] = loss
