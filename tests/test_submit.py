@@ -152,6 +152,8 @@ def test_a_submit_job_keeps_its_allocation_and_runs_submitits_srun_through_the_s
     lines = res.stdout.splitlines()
     assert "#SBATCH --no-kill" in lines
     [line] = [x for x in lines if x.startswith("srun() {")]
+    # the line before it says what it does (a reader of the script meets a shell function named srun)
+    assert lines[lines.index(line) - 1].startswith("# srun below runs through ddp_slurm's supervisor: it relaunches")
     assert (
         lines.index("module load x") < lines.index(line) < [i for i, x in enumerate(lines) if x.startswith("srun ")][0]
     )
