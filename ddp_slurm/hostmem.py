@@ -16,7 +16,7 @@ or ``GLIBC_TUNABLES`` settings, or a preloaded allocator, are left alone.
 ``available_memory`` is what this process may still take: the host's ``MemAvailable``, or the headroom
 of its cgroup (v2: ``memory.max - memory.current`` of the cgroup ``/proc/self/cgroup`` names and of each
 cgroup above it, where Slurm sets the job's and the step's limits) where that is smaller. It bounds what
-asynchronous checkpoints may copy into (checkpoint/writer.py) and the tools' size flags
+asynchronous checkpoints may copy into (checkpoint/wholefile_writer.py) and the tools' size flags
 (ddp_slurm/argtypes.py). ``share`` divides it by the ranks of the node: under fsdp every rank stages
 its own shards in pinned memory at once (checkpoint/sharded_writer.py), so 8 ranks that each passed a
 check against the whole host could together take 4 times the half of it they were allowed. The rules are

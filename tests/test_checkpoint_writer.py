@@ -26,7 +26,7 @@ from conftest import base_env
 from ddp_slurm import config
 from ddp_slurm.train import checkpoint
 from ddp_slurm.train.checkpoint.snapshot import Snapshotter, state_bytes
-from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
+from ddp_slurm.train.checkpoint.wholefile_writer import AsyncCheckpointer
 
 EXIT_STOPPED = 75
 
@@ -174,7 +174,7 @@ def test_a_synchronous_save_of_gpu_state_copies_it_to_host_and_waits_once(
     """checkpoint.async=false on a GPU: the state is copied to host buffers in one batch and the save waits
     for the last copy only (torch.save of live CUDA tensors would wait once per tensor); torch.save then
     sees host tensors. No GPU here: the snapshot's copy and its CUDA events are stand-ins."""
-    from ddp_slurm.train.checkpoint import writer as writer_module
+    from ddp_slurm.train.checkpoint import wholefile_writer as writer_module
 
     waits: list[int] = []
 

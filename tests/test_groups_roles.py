@@ -36,6 +36,7 @@ ROLES: dict[tuple[str, str, str], list[str]] = {
     ("train/hooks/slowranks.py", "SlowRanks.start", "all_gather_object"): [HOST],
     ("train/hooks/slowranks.py", "SlowRanks.after_step", "all_reduce"): [HOST],  # host clock readings
     ("train/checkpoint/state.py", "gather", "gather_object"): [HOST],
+    ("train/guard/culprits.py", "find", "all_gather_object"): [HOST],  # the per-sample losses, on the host
     ("train/checkpoint/sharded.py", "finite", "all_reduce"): [HOST],
     ("train/checkpoint/dcp_safe.py", "load", "load"): [HOST],  # DCP's planning: pickled objects
     ("train/checkpoint/sharded_writer.py", "ShardedCheckpointer.save", "broadcast_object_list"): [HOST, HOST],

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint import staging
 
 from ddp_slurm.train.checkpoint import sharded_writer
-from ddp_slurm.train.checkpoint.writer import MAX_SHARE_OF_AVAILABLE
+from ddp_slurm.train.checkpoint.wholefile_writer import MAX_SHARE_OF_AVAILABLE
 
 GIB = 2**30
 

@@ -128,7 +128,7 @@ def raw_write_s(folder: Path, nbytes: int, index: int, write_behind: bool = Fals
 def launch_measure(
     args: argparse.Namespace, world: int, threads: int, folder: Path, writer: str | None = None
 ) -> dict[str, Any]:
-    """Run the measuring worker at ``world`` ranks (``writer``: checkpoint.writer's default when None); rank 0's figures."""
+    """Run the measuring worker at ``world`` ranks (``writer``: checkpoint.wholefile_writer's default when None); rank 0's figures."""
     tag = f"w{world}-{writer or 'default'}"
 
     def command(out: Path) -> list[str]:
@@ -206,7 +206,7 @@ def measure(args: argparse.Namespace, threads: int | None) -> dict[str, Any]:
     try:
         by_world = {str(w): launch_measure(args, w, threads, folder) for w in worlds}
         other = "thread" if by_world[str(worlds[0])]["writer"] == "process" else "process"
-        # the other writer at the first world size, for the choice between them (checkpoint/writer.py's docstring)
+        # the other writer at the first world size, for the choice between them (checkpoint/wholefile_writer.py's docstring)
         writers = {by_world[str(worlds[0])]["writer"]: by_world[str(worlds[0])]}
         if args.device == "cpu":  # the process writer forks: a process holding CUDA state is not one to fork
             writers[other] = launch_measure(args, worlds[0], threads, folder, other)

@@ -28,7 +28,7 @@ from ddp_slurm.bench.checkpoint_stall import KEEP, raw_write_s
 from ddp_slurm.bench.ckpt_worker import Trainer, exchange, set_threads
 from ddp_slurm.exitcodes import exit_now
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
+from ddp_slurm.train.checkpoint.wholefile_writer import AsyncCheckpointer
 
 WARMUP, BASELINE, SETTLE = 10, 30, 5
 
@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--writer", choices=("process", "thread"), default=None, help="default: checkpoint.writer's")
+    p.add_argument(
+        "--writer", choices=("process", "thread"), default=None, help="default: checkpoint.wholefile_writer's"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

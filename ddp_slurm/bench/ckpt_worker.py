@@ -34,7 +34,7 @@ from torch import nn
 
 from ddp_slurm.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, exit_now
 from ddp_slurm.train import checkpoint
-from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
+from ddp_slurm.train.checkpoint.wholefile_writer import AsyncCheckpointer
 from ddp_slurm.train.signals import StopFlag
 
 TENSOR_MB = 16  # the synthetic state comes in tensors of this size, as a big model's layers do
@@ -124,7 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--mode", choices=("async", "sync"), default="async")
-    p.add_argument("--writer", choices=("process", "thread"), default=None, help="async writer (default: writer.py's)")
+    p.add_argument(
+        "--writer", choices=("process", "thread"), default=None, help="async writer (default: wholefile_writer.py's)"
+    )
     p.add_argument("--width", type=int, default=64, help="the small model's width (sets the step time)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

@@ -29,7 +29,7 @@ from ddp_slurm.errors import UsageError
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.checkpoint import best, fit, gate, sharded
 from ddp_slurm.train.checkpoint.backends import BACKENDS, backend_at
-from ddp_slurm.train.checkpoint.format import CheckpointError
+from ddp_slurm.train.checkpoint.errors import CheckpointError
 
 log = logging.getLogger("ddp_slurm")
 

@@ -5,13 +5,14 @@
 - ``gate.py``: the rules every checkpoint passes before it is used (trusted, whole, well formed, this
   run's, fits), for every backend and reader;
 - ``backends.py``: the two ways a checkpoint lies on disk (a whole file, a folder of shards) behind one
-  interface; ``format.py`` / ``listing.py`` and ``sharded.py`` are their file formats;
+  interface, each an on-disk half (``ondisk.py``) and a capture half (``capture.py``); ``wholefile.py`` /
+  ``listing.py`` and ``sharded.py`` are their file formats; ``errors.py``: ``CheckpointError``;
 - ``parts.py``: what a checkpoint holds besides the model and optimizer, as registered parts (a hook, the task
   or a batch source may add one); ``standard.py``: the parts every run has; ``state.py``: the position;
 - ``schema.py``: the record's shape; ``fit.py``: does it fit this run's optimizer and schedule;
 - ``seal.py``: the trailer that proves every byte is the one written; ``dcp_safe.py``: torch's
   distributed checkpoints read without unpickling code;
-- ``snapshot.py``, ``writer.py``, ``sharded_writer.py``: writing in the background.
+- ``snapshot.py``, ``wholefile_writer.py``, ``sharded_writer.py``: writing in the background.
 
 The whole-file functions are re-exported here (``checkpoint.save``, ``checkpoint.load``, ...).
 """
@@ -20,20 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_slurm.train.checkpoint.checkpointer import Checkpointer, NonFiniteWeights
-from ddp_slurm.train.checkpoint.format import (
-    FORMAT,
-    READABLE_FORMATS,
-    REQUIRED,
-    SEALED_BY,
-    CheckpointError,
-    _tensors,
-    content_digest,
-    file_name,
-    load,
-    remove_stale_temporaries,
-    save,
-    validate,
-)
+from ddp_slurm.train.checkpoint.errors import CheckpointError
 from ddp_slurm.train.checkpoint.gate import (
     NoneFits,
     UnsafeCheckpoint,
@@ -45,7 +33,20 @@ from ddp_slurm.train.checkpoint.gate import (
     same_model,
 )
 from ddp_slurm.train.checkpoint.listing import checkpoint_dir, list_checkpoints
-from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
+from ddp_slurm.train.checkpoint.wholefile import (
+    FORMAT,
+    READABLE_FORMATS,
+    REQUIRED,
+    SEALED_BY,
+    _tensors,
+    content_digest,
+    file_name,
+    load,
+    remove_stale_temporaries,
+    save,
+    validate,
+)
+from ddp_slurm.train.checkpoint.wholefile_writer import AsyncCheckpointer
 
 
 def load_latest(run_dir: str | Path) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ddp_slurm.train.checkpoint import format, sharded, state
+from ddp_slurm.train.checkpoint import sharded, state, wholefile
 from ddp_slurm.train.checkpoint.parts import Moment, Restoring
 from ddp_slurm.train.checkpoint.standard import parts_of
 from ddp_slurm.train.checkpoint.state import Position
@@ -112,7 +112,7 @@ class RankZeroCapture(Capture):
             return None
         if not all_finite(run.model.parameters()):  # one host sync for all of them; rank 0 raises it when writing
             raise ValueError(f"weights are not finite at step {run.pos.step}")
-        whole = {"format": format.FORMAT, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
+        whole = {"format": wholefile.FORMAT, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
         return whole | record | extra
 
     def restore(self, path: Path, record: dict[str, Any], run: Objects) -> Position:
@@ -160,7 +160,7 @@ class ShardedCapture(Capture):
         try:
             dcp_safe.load(shards, path, run.groups.host)  # DCP's planning: pickled objects
         except dcp_safe.FAILED as exc:  # the gate checked the index against the run: this is a read failing
-            raise format.CheckpointError(f"cannot load checkpoint {path}: {dcp_safe.unwrap(exc)}") from None
+            raise wholefile.CheckpointError(f"cannot load checkpoint {path}: {dcp_safe.unwrap(exc)}") from None
         set_state_dict(run.model, run.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
         return _rest(self, record, run, "a sharded checkpoint", "(shards re-split by DCP; see docs/scaling.md)")
 

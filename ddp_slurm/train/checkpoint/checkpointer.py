@@ -31,9 +31,9 @@ from typing import Any
 from ddp_slurm import errors
 from ddp_slurm.distributed.group import on_rank0
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import best, fit, format, gate, listing, setaside, sharded
+from ddp_slurm.train.checkpoint import best, fit, gate, listing, setaside, sharded, wholefile
 from ddp_slurm.train.checkpoint.backends import Backend, Objects
-from ddp_slurm.train.checkpoint.format import CheckpointError
+from ddp_slurm.train.checkpoint.errors import CheckpointError
 from ddp_slurm.train.checkpoint.state import Position
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class Checkpointer:
         if self._root is None:
             self._root = now
         if now is None or now != self._root:
-            raise format.gone(self.paths.root, self.paths.checkpoint(step))
+            raise wholefile.gone(self.paths.root, self.paths.checkpoint(step))
 
     def poll(self) -> None:
         """Each step, rank 0, no collective, never blocks: a background write that has become durable is

@@ -39,7 +39,7 @@ from ddp_slurm.exitcodes import EXIT_USAGE
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.checkpoint import fit, schema
 from ddp_slurm.train.checkpoint.backends import BACKENDS, Backend
-from ddp_slurm.train.checkpoint.format import CheckpointError
+from ddp_slurm.train.checkpoint.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ state is captured and put back, is ``capture.py``): which entries of the run dir
 whether a path is one, trusting, reading (the record of the run's parts and what else makes it whole), the
 cheap summary pruning judges by, what a killed writer left, and the writer of new ones.
 
-- ``WholeFileDisk``: ``checkpoints/step-<N>.pt``, one sealed file (``format.py``, ``listing.py``) written in the
+- ``WholeFileDisk``: ``checkpoints/step-<N>.pt``, one sealed file (``wholefile.py``, ``listing.py``) written in the
   background (``writer.AsyncCheckpointer``);
 - ``ShardedDisk``: ``checkpoints/step-<N>/``, every rank's DCP shards and a sealed commit record (``sharded.py``),
   committed by rank 0 (``sharded_writer.py``).
@@ -21,7 +21,7 @@ import torch
 
 from ddp_slurm import safefs
 from ddp_slurm.runpaths import RunPaths
-from ddp_slurm.train.checkpoint import fit, format, listing, schema, sharded, state
+from ddp_slurm.train.checkpoint import fit, listing, schema, sharded, state, wholefile
 from ddp_slurm.train.checkpoint.parts import Check
 
 Shape = tuple[int, ...]
@@ -112,7 +112,7 @@ class WholeFileDisk(OnDisk):
         _plain_file(path)
 
     def read(self, path: Path, *, verify: bool = True) -> dict[str, Any]:
-        return state.upgrade(format.load(path))
+        return state.upgrade(wholefile.load(path))
 
     def summary(self, path: Path) -> tuple[int, Any, dict[str, Shape]]:
         return listing.summary(path)
@@ -127,12 +127,12 @@ class WholeFileDisk(OnDisk):
         return record
 
     def remove_stale(self, paths: RunPaths) -> None:
-        format.remove_stale_temporaries(paths.root)
+        wholefile.remove_stale_temporaries(paths.root)
 
     def writer(
         self, paths: RunPaths, section: Any, *, stop_pending: Callable[[], bool] | None, prune: Callable[[Path], None]
     ) -> Any:
-        from ddp_slurm.train.checkpoint.writer import AsyncCheckpointer
+        from ddp_slurm.train.checkpoint.wholefile_writer import AsyncCheckpointer
 
         return AsyncCheckpointer(
             paths.root,

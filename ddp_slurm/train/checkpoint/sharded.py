@@ -41,7 +41,7 @@ from ddp_slurm import safefs
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.checkpoint import dcp_safe, schema
 from ddp_slurm.train.checkpoint import seal as ckpt_seal
-from ddp_slurm.train.checkpoint.format import CheckpointError
+from ddp_slurm.train.checkpoint.errors import CheckpointError
 
 SHARDED_FORMAT = 2  # 2: the optimizer's layout in the commit; 1 (read): without it
 READABLE = (1, 2)

@@ -24,10 +24,10 @@ from ddp_slurm.hostmem import available_memory, share
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.slurmjob.badnodes import host_name
 from ddp_slurm.train.checkpoint.dcp_safe import FAILED, unwrap
-from ddp_slurm.train.checkpoint.format import CheckpointError
+from ddp_slurm.train.checkpoint.errors import CheckpointError
 from ddp_slurm.train.checkpoint.sharded import commit, file_seal, fresh_partial, write_json
 from ddp_slurm.train.checkpoint.snapshot import state_bytes
-from ddp_slurm.train.checkpoint.writer import MAX_SHARE_OF_AVAILABLE
+from ddp_slurm.train.checkpoint.wholefile_writer import MAX_SHARE_OF_AVAILABLE
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Host-memory snapshots of a training state, for checkpoints written in the background (writer.py).
+"""Host-memory snapshots of a training state, for checkpoints written in the background (wholefile_writer.py).
 
 A snapshot copies every tensor of a nested state (dicts, lists, tuples) into host buffers that the
 ``Snapshotter`` owns and reuses while the layout stays the same (allocating and first-touching
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ddp_slurm.train.checkpoint import format as checkpoint
+from ddp_slurm.train.checkpoint import wholefile as checkpoint
 
 
 def state_bytes(state: Any) -> int:

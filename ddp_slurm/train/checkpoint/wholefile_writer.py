@@ -45,7 +45,7 @@ import torch
 
 from ddp_slurm import safefs
 from ddp_slurm.hostmem import available_memory
-from ddp_slurm.train.checkpoint import format as checkpoint
+from ddp_slurm.train.checkpoint import wholefile as checkpoint
 from ddp_slurm.train.checkpoint.snapshot import Snapshotter, on_gpu, state_bytes
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class AsyncCheckpointer:
         prune: Callable[[Path], None] | None = None,
         parents: bool = True,
     ) -> None:
-        """``prune(newest)``: after each durable write, the caller's pruning (``format.save``'s own without).
+        """``prune(newest)``: after each durable write, the caller's pruning (``wholefile.save``'s own without).
         ``parents=False``: the run directory exists (a training run took it), and one gone is not made again."""
         self.run_dir, self.keep, self.enabled, self.shared = Path(run_dir), keep, enabled, shared
         self.parents = parents
@@ -219,7 +219,7 @@ class AsyncCheckpointer:
         self._snap = Snapshotter()
         self._write: _Write | None = None
         self._warned_memory = False
-        self._seen: dict[Any, Any] = {}  # pruning's verdicts on the kept files (format.prune)
+        self._seen: dict[Any, Any] = {}  # pruning's verdicts on the kept files (wholefile.prune)
 
     @property
     def in_flight(self) -> bool:

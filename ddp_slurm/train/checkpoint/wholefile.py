@@ -42,10 +42,11 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as torch_serialization
 
-from ddp_slurm import errors, safefs
+from ddp_slurm import safefs
 from ddp_slurm.runpaths import RunPaths
 from ddp_slurm.train.checkpoint import listing
 from ddp_slurm.train.checkpoint import seal as ckpt_seal
+from ddp_slurm.train.checkpoint.errors import CheckpointError
 from ddp_slurm.train.checkpoint.listing import checkpoint_dir, list_checkpoints
 from ddp_slurm.train.checkpoint.seal import Cancelled
 
@@ -61,10 +62,6 @@ REQUIRED = {
     "epoch": int,
     "finished": bool,
 }
-
-
-class CheckpointError(errors.Error):
-    """Checkpoints exist but none can be used, or one cannot be written. One line, names the files."""
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
