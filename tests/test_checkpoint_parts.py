@@ -23,6 +23,7 @@ from ddp_slurm.train import checkpoint, metrics
 from ddp_slurm.train.checkpoint import schema
 from ddp_slurm.train.checkpoint.backends import WholeFile
 from ddp_slurm.train.checkpoint.parts import Moment, Parts, Restoring
+from ddp_slurm.train.checkpoint.standard import standard as standard_parts
 
 LEGACY = Path(__file__).parent / "data" / "legacy"
 """A run of the Line task (``line_task.py``, frozen) checkpointed at step 6 of 24 by the release before parts:
@@ -206,3 +207,52 @@ def _stand_in() -> Any:
     optimizer = make_optimizer(cfg.train, model.parameters(), torch.device("cpu"))
     scheduler = make_scheduler(cfg.train, optimizer, 10)
     return helpers.run_objects(model, optimizer, scheduler, cfg=cfg, env=SimpleNamespace(restart_count=0))
+
+
+def test_a_task_s_hooks_are_hooks_and_their_parts_keys_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Task.hooks`` returning something else, or a hook's part taking a key a part already has: one line
+    (UsageError, exit 2) naming the task or the hook, before anything is judged or restored."""
+    from ddp_slurm import Hook, errors
+    from ddp_slurm.train import hooks
+
+    class Twice(Hook):
+        def parts(self) -> list[Any]:
+            return [Stateful("scheduler", Counter())]  # the standard Schedule part's key
+
+    class Task:
+        def __init__(self, made: list[Any]) -> None:
+            self.made = made
+
+        def hooks(self) -> list[Any]:
+            return self.made
+
+    monkeypatch.setattr(hooks, "standard", lambda run, dog=None: hooks.Hooks([]))
+    run = _stand_in()
+    run.parts = standard_parts(run)
+    for made, says in (([object()], r"Task.hooks\(\) returned <object .*: not a ddp_slurm.Hook"), ([Twice()], "Twice")):
+        run.task = Task(made)
+        with pytest.raises(errors.UsageError, match=says):
+            hooks.for_run(run)
+
+    class Kept(Hook):
+        def parts(self) -> list[Any]:
+            return [Stateful("kept", Counter())]
+
+    run.task = Task([Kept()])
+    assert isinstance(hooks.for_run(run).hooks[0], Kept) and "kept" in run.parts.checks()[1]
+
+
+def test_each_backend_says_which_paths_it_holds(tmp_path: Path) -> None:
+    """``backend_at`` asks each on-disk half (no guess from ``is_dir``): a ``*.pt`` file is a whole file, a folder
+    with a commit record a folder of shards, anything else neither (one line); the kinds are formats."""
+    from ddp_slurm.train.checkpoint.backends import Sharded, backend_at
+
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / "commit.pt").write_bytes(b"")
+    (tmp_path / "step-4.pt").write_bytes(b"")
+    (tmp_path / "notes").mkdir()
+    assert isinstance(backend_at(tmp_path / "step-3"), Sharded) and backend_at(tmp_path / "step-3").kind == "sharded"
+    assert isinstance(backend_at(tmp_path / "step-4.pt"), WholeFile) and WholeFile.kind == "whole-file"
+    for neither in ("notes", "model.bin"):
+        with pytest.raises(ValueError, match="neither a checkpoint file"):
+            backend_at(tmp_path / neither)
