@@ -1,4 +1,4 @@
-"""train/checkpoint/state.py (with the whole-file backend): what a checkpoint holds and how each rank reads its
+"""train/checkpoint/standard.py's parts (with the whole-file backend): what a checkpoint holds and how each rank reads its
 part back (single process, real tensors)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (train/checkpoint/writer.py), with real threads, processes, signals and files.
+"""Asynchronous checkpoints (train/checkpoint/wholefile_writer.py), with real threads, processes, signals and files.
 
 The component is tested in-process (snapshot semantics, one write in flight, failures surfacing) and
 through ``python -m ddp_slurm.bench.ckpt_worker``, a small training process that checkpoints with it
