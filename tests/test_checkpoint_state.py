@@ -1,5 +1,5 @@
-"""train/checkpoint/standard.py's parts (with the whole-file backend): what a checkpoint holds and how each rank reads its
-part back (single process, real tensors)."""
+"""train/checkpoint/standard.py's parts (with the whole-file backend): what a checkpoint holds and how each rank
+reads its part back (single process, real tensors)."""
 
 from __future__ import annotations
 
