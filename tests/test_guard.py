@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import re
 import subprocess
 from pathlib import Path
@@ -221,11 +220,17 @@ def test_the_loggers_get_every_rollback_verdict_and_skip(poisoned: Path) -> None
 def test_bad_data_is_rolled_back_replayed_and_skipped_exactly(
     poisoned: Path, tmp_path: Path, nproc: int, strategy: str
 ) -> None:
+    """Sample 300 lies in step 9's batch (epoch 1) and step 18's (epoch 2). One rollback (stumble: one bad sample
+    once cost one rollback per epoch, named by its place in a shuffled order): the replay names sample 300 by
+    dataset index in the log, the skip line, guard.jsonl and the checkpoint; epoch 2 trains without it. The run
+    ends torch.equal to one told to skip step 9 and leave sample 300 out of epoch 2 from the start."""
     cwd = poisoned
     name = f"{nproc}-{strategy}"
+    log = (cwd / "poisoned.log").read_text()
     if nproc > 1:
-        train(cwd, nproc, *GUARDED, "poison.ids=300", f"dist.strategy={strategy}", f"run.name=p{name}")
+        log = train(cwd, nproc, *GUARDED, "poison.ids=300", f"dist.strategy={strategy}", f"run.name=p{name}").stderr
     run_dir = cwd / "runs" / ("poisoned" if nproc == 1 else f"p{name}")
+    assert "the data of step 9 is bad: sample(s) 300 (dataset index), left out of every later epoch" in log
     by_hand = ("guard.skip=9", "guard.drop=300@1")  # step 9 skipped, sample 300 left out of epoch 2 on
     train(cwd, nproc, *GUARDED, *by_hand, f"dist.strategy={strategy}", f"run.name=r{name}")
     assert same_weights(run_dir, cwd / "runs" / f"r{name}")
@@ -235,24 +240,9 @@ def test_bad_data_is_rolled_back_replayed_and_skipped_exactly(
     skipped = [(r["steps"], r["samples"], r["bad_samples"]) for r in rows(run_dir, "skip")]
     assert skipped == [([9, 9], [256, 288], [[300, 0]])]
     assert record.read(RunPaths(run_dir)) == ({9}, [(9, 9)]) and record.bad_samples(RunPaths(run_dir)) == [[300, 0]]
+    assert checkpoint.load_latest(run_dir)["guard"]["samples"] == [[300, 0]]
     assert not (run_dir / "lost_nodes").exists()
     assert rows(run_dir, "end"), "the run did not finish"
-
-
-def test_one_bad_sample_costs_one_rollback_in_three_epochs_and_is_named(tmp_path: Path) -> None:
-    """Stumble: one bad sample used up the guard, one rollback per epoch, named by its place in a shuffled order.
-    Now (2 ranks, 3 epochs): one rollback at step 9; the replay's verdict names sample 300 by dataset index,
-    in the log, the skip line, guard.jsonl and the checkpoint; epochs 2 and 3 train without it (no flag)."""
-    write_poison_task(tmp_path)
-    res = train(tmp_path, 2, *GUARDED, "train.epochs=3", "poison.ids=300", "run.name=three")
-    run_dir = tmp_path / "runs" / "three"
-    assert [r["step"] for r in rows(run_dir, "rollback")] == [9], res.stderr[-3000:]
-    assert "the data of step 9 is bad: sample(s) 300 (dataset index), left out of every later epoch" in res.stderr
-    assert [r["bad_samples"] for r in rows(run_dir, "skip")] == [[[300, 0]]]
-    assert record.bad_samples(RunPaths(run_dir)) == [[300, 0]]
-    final = checkpoint.load_latest(run_dir)
-    assert final["finished"] and final["step"] == 48 and final["guard"]["samples"] == [[300, 0]]
-    assert all(math.isfinite(r["loss"]) and r["loss"] < 10 for r in rows(run_dir, "train") if r["step"] > 9)
 
 
 def test_a_fault_that_a_replay_does_not_reproduce_names_the_rank_and_skips_nothing(tmp_path: Path) -> None:
