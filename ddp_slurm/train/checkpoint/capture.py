@@ -80,28 +80,6 @@ def _rest(backend: Capture, record: dict[str, Any], run: Objects, what: str, whe
     return run.pos
 
 
-def _record(run: Objects, finished: bool, elapsed_s: float) -> dict[str, Any] | None:
-    """Every registered part's values (a collective: the per-rank ones travel on the host group); rank 0's
-    record, None on the others."""
-    return parts_of(run).take(
-        Moment(finished, elapsed_s), lambda own: state.gather(own, run.rank, run.world_size, run.groups.host)
-    )
-
-
-def _rest(backend: Capture, record: dict[str, Any], run: Objects, what: str, where: str) -> Position:
-    """Every registered part put back from ``record``, for either backend; the position to continue from."""
-    how = Restoring(
-        run.rank,
-        run.world_size,
-        run.seed,
-        run.device,
-        what,
-        f"same samples and order, fresh per-rank RNG streams {where}",
-    )
-    parts_of(run).put(record, how, owned=backend.owns)
-    return run.pos
-
-
 class RankZeroCapture(Capture):
     def capture(self, run: Objects, finished: bool, elapsed_s: float, extra: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0's whole state (None on the others, which only hand over their RNG streams)."""
