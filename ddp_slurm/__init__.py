@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Task": "ddp_slurm.train.task",
     "Tensors": "ddp_slurm.train.task",
+    "Shards": "ddp_slurm.shards.dataset",
     "Context": "ddp_slurm.train.task",
     "Hook": "ddp_slurm.train.hooks.base",
     "Stateful": "ddp_slurm.train.checkpoint.parts",

@@ -31,15 +31,19 @@ class ExitCode(enum.IntEnum):
     """Usage or config error: nothing was started, nothing created."""
     REQUEUE_CAP = 3
     """``slurm.max_requeues`` reached: not requeued again."""
+    DATA = 65
+    """The training data does not match its index (a shard changed, was cut or corrupted; EX_DATAERR): the
+    message names the shard and the sample; nothing after the last checkpoint was trained on it."""
     STOPPED = 75
     """Stopped cleanly on a stop signal with a checkpoint on disk (EX_TEMPFAIL): launch again to resume."""
 
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REQUEUE_CAP, EXIT_STOPPED = (
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REQUEUE_CAP, EXIT_DATA, EXIT_STOPPED = (
     ExitCode.OK,
     ExitCode.FAILURE,
     ExitCode.USAGE,
     ExitCode.REQUEUE_CAP,
+    ExitCode.DATA,
     ExitCode.STOPPED,
 )
 

@@ -205,6 +205,12 @@ def read_small(path: Path, limit: int = 1 << 20) -> str | None:
     """The text of a small file the run itself wrote (a node list, a manifest), or None when it does not
     exist. Never follows a symlink (``/dev/zero`` behind one would fill memory), never blocks on a FIFO,
     never reads more than ``limit`` bytes: ``UnsafePath`` names what is there instead of a plain file."""
+    data = read_bytes(path, limit)
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def read_bytes(path: Path, limit: int) -> bytes | None:
+    """``read_small``'s bytes, undecoded (a sealed index checks them before they are parsed)."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -224,14 +230,15 @@ def read_small(path: Path, limit: int = 1 << 20) -> str | None:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise UnsafePath(f"{path} is larger than {limit} bytes: not a file this run wrote; remove it")
-    return data.decode("utf-8", errors="replace")
+    return data
 
 
-def check_trusted(path: Path, shared: bool = False, use: str = "resume from") -> None:
+def check_trusted(path: Path, shared: bool = False, use: str = "resume from", published: bool = False) -> None:
     """Refuse to resume from ``path`` (a run directory, its config, a checkpoint or its folder) when
     someone else could have written it: a symlink, another owner, writable by others, or writable by
     the group (allowed with ``run.shared``, where the group is trusted and files may be a teammate's).
-    ``use``: what was about to happen, for the message."""
+    ``use``: what was about to happen, for the message. ``published``: data another user may own and
+    publish read-only (a shard index under a group's datasets); then only who can *write* it counts."""
     path = Path(path)
     st = os.lstat(path)
     fix = f"chmod go-w {path}"
@@ -239,6 +246,10 @@ def check_trusted(path: Path, shared: bool = False, use: str = "resume from") ->
         raise UnsafePath(f"refusing to {use} {path}: it is a symlink; replace it with the real directory or file")
     if st.st_mode & stat.S_IWOTH:
         raise UnsafePath(f"refusing to {use} {path}: it is writable by every user; {fix} if its content is yours")
+    if published and st.st_uid != os.geteuid():
+        if st.st_mode & stat.S_IWGRP and not shared:
+            raise UnsafePath(f"refusing to {use} {path}: another user's, and writable by the group; {fix}")
+        return
     if shared:
         if st.st_uid != os.geteuid() and st.st_gid not in _my_groups():
             raise UnsafePath(

@@ -4,7 +4,8 @@
 by ``poison.ids`` multiply their rank's loss by 1e6: bad data, the same every time it is trained on.
 ``poison.fault_rank`` / ``poison.fault_call`` multiply that rank's loss at its N-th training step of the
 process once only: a fault a replay does not reproduce. ``poison.record`` writes the sample ids each rank
-trains on (``global_batches`` reads them back). ``poison.noise`` makes every backward nondeterministic.
+trains on (``global_batches`` reads them back). ``poison.shards`` trains on the same points written as shards.
+``poison.noise`` makes every backward nondeterministic.
 ``PoisonOnFakeGpu`` (``write_poison_task(..., fake_sync_debug=True)``) runs it in a process that stands in for
 a GPU under DDP_SLURM_SYNC_DEBUG=error.
 """
@@ -23,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_slurm import Task, Tensors
+from ddp_slurm import Shards, Task, Tensors
+from ddp_slurm.shards.decode import tensors
 
 
 @dataclass
@@ -40,6 +42,9 @@ class PoisonSection:
     """Seconds each training step sleeps (a run slow enough for a signal to land mid-run)."""
     record: bool = False
     """Each training micro-batch appends its sample ids, one line, to ``<run dir>/ids/<world size>-<rank>.txt``."""
+    shards: str = ""
+    """A folder of shards written from this task's points (``ddp-slurm data write task=...``): trained on
+    instead of the in-memory points, each sample's id read back from its shard."""
     noise: float = 0.0
     """Every rank's gradients get noise of this scale from an unseeded generator, the loss unchanged to the
     bit: a nondeterministic backward (atomics, cuDNN's weight gradients on a GPU), in every pass."""
@@ -71,6 +76,8 @@ class Poison(Task):
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
 
     def train_data(self):
+        if self.config.poison.shards:
+            return Shards(self.config.poison.shards, tensors)
         return Tensors(*self.points(self.config.poison.size, 0))
 
     def training_step(self, model, batch):

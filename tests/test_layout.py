@@ -160,7 +160,7 @@ LAYERS = [
     + ("ddp_slurm.export",)
     + COMPATIBILITY,
     ("ddp_slurm.tools",),
-    ("ddp_slurm.train", "ddp_slurm.tasks"),
+    ("ddp_slurm.train", "ddp_slurm.tasks", "ddp_slurm.shards"),
     ("ddp_slurm.distributed", "ddp_slurm.slurmjob"),
     ("ddp_slurm.config",),
 ]

@@ -163,6 +163,7 @@ _GUARD_FIELDS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "steps": _STEPS,
         "samples": (_list_of(_is_int, 2), "a [start, end) pair of sample positions"),
         "bad_samples": (_list_of(_list_of(_is_int, 2)), "a list of [dataset index, epoch] pairs"),
+        "bad_names": (_list_of(lambda v: isinstance(v, str)), "a list of sample names (shard.tar:key)"),
     },
 }
 _REQUIRED = {"rollback": "to", "replay": "verdict", "skip": "steps"}

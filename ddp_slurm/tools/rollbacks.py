@@ -62,8 +62,9 @@ def describe(rollback: Rollback) -> str:
             samples, bad = rollback.skip.get("samples"), rollback.skip.get("bad_samples")
             # The line holds [start, end) of the data order; people count the samples they name inclusively.
             shown = f" (samples {samples[0]}-{samples[1] - 1})" if samples else ""
-            if bad:  # the samples found bad, by dataset index: left out from then on
-                shown = f" (bad sample(s) {', '.join(str(i) for i, _ in bad)}, left out of later epochs)"
+            if bad:  # the samples found bad (by name for shards, else by dataset index): left out from then on
+                names = rollback.skip.get("bad_names") or [str(i) for i, _ in bad]
+                shown = f" (bad sample(s) {', '.join(names)}, left out of later epochs)"
             text += f": skipped {_steps(first, last)}{shown}"
         return text
     if replay.get("verdict") != "not reproduced":  # one this reader does not know: shown as it is

@@ -12,7 +12,10 @@ place, so the order stays a pure function of (seed, epoch, step) and the guard's
 ``InMemory`` (``Tensors``): the tensors live on the device; a batch is one ``index_select`` per tensor.
 
 ``DatasetBatches`` (any map-style ``Dataset``): torch's ``DataLoader`` with worker processes, pinned
-memory and prefetch, fed by ``StepSampler`` (the order above, from any step). Randomness inside
+memory and prefetch, fed by ``StepSampler`` (the order above, from any step). ``Shards`` (WebDataset tar
+shards) take the same path with their own order (``shards/order.py``: shards shuffled, positions permuted
+inside windows of shards, each position computed alone in O(shards) memory) in place of ``randperm(N)``;
+every rule here holds for them unchanged. Randomness inside
 ``dataset[i]`` (augmentation) is exact too: each sample is fetched with python's, numpy's and torch's
 RNGs seeded from ``(seed, epoch, i)``, so a sample gets the same draw whichever worker, rank or restart
 fetches it. Why not torchdata's ``StatefulDataLoader``: its state belongs to one rank and one worker
@@ -25,7 +28,7 @@ at all and resumes exactly at any world size and worker count (docs/tasks.md, "R
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from torch.utils.data import Dataset, get_worker_info
 from ddp_slurm.train import rng
 from ddp_slurm.train.task import Tensors
 
+AHEAD_STEPS = 32  # read-ahead never looks further (the DataLoader's own prefetch covers the nearest steps)
 PERMUTATION_STRIDE = 1_000_003  # (seed, epoch) -> one generator seed; epochs never collide below 10^6
 
 
@@ -124,10 +128,22 @@ class InMemory:
         return [(i, tuple(t[i : i + 1] for t in self.data.tensors)) for i in ids.tolist()]
 
 
-class StepSampler:
-    """Batch sampler: this rank's ``(epoch, index)`` lists for the steps of one epoch from a start step."""
+Order = Callable[[int], Sequence[int]]  # epoch -> its order: order[a:b] is the list of dataset indices there
 
-    def __init__(self, num_samples: int, seed: int, global_batch: int, rank: int, world: int) -> None:
+
+def permutation_order(num_samples: int, seed: int) -> Order:
+    """Map-style data's order: ``epoch_permutation`` as a list."""
+    return lambda epoch: epoch_permutation(num_samples, seed, epoch).tolist()
+
+
+class StepSampler:
+    """Batch sampler: this rank's ``(epoch, index)`` lists for the steps of one epoch from a start step.
+    ``order``: the epoch's order (``permutation_order`` unless the data brings its own); ``ahead(ids, n)``,
+    when given, is told the indices of the step ``n`` steps after the one being yielded (read-ahead)."""
+
+    def __init__(
+        self, num_samples: int, seed: int, global_batch: int, rank: int, world: int, order: Order | None = None
+    ) -> None:
         self.num_samples, self.seed, self.global_batch, self.rank, self.world = (
             num_samples,
             seed,
@@ -135,6 +151,9 @@ class StepSampler:
             rank,
             world,
         )
+        self.order = order or permutation_order(num_samples, seed)
+        self.ahead: Callable[[list[int]], int] | None = None
+        self.ahead_steps = 0
         self.epoch, self.start_step = 0, 0
         self.skip: Callable[[int], bool] | None = None  # the run's skipped steps (set by the guard)
         self.drop: dict[int, int] = {}  # the bad samples (set by the guard): dataset index -> epoch found
@@ -142,11 +161,20 @@ class StepSampler:
     def set_position(self, epoch: int, start_step: int) -> None:
         self.epoch, self.start_step = epoch, start_step
 
+    def ids(self, epoch: int, step: int) -> list[int]:
+        """This rank's dataset indices at ``step`` of ``epoch`` (before the bad samples are left out)."""
+        return list(self.order(epoch)[rank_slice(step, self.global_batch, self.rank, self.world)])
+
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        order = epoch_permutation(self.num_samples, self.seed, self.epoch).tolist()
+        order = self.order(self.epoch)
         bad = dropped(self.drop, self.epoch)
-        for step in self._steps():
+        steps = self._steps()
+        for n, step in enumerate(steps):
             ids = order[rank_slice(step, self.global_batch, self.rank, self.world)]
+            if self.ahead is not None:  # the first step reads ahead up to the horizon, each later one step more
+                first = n + 1 if n == 0 else n + self.ahead_steps
+                for later in steps[first : n + self.ahead_steps + 1]:
+                    self.ahead(order[rank_slice(later, self.global_batch, self.rank, self.world)])
             yield [(self.epoch, i) for i in ids if i not in bad]
 
     def __len__(self) -> int:
@@ -171,15 +199,29 @@ class SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        """A batch at once (torch's fetcher asks for it this way): data that reads neighbours together
+        (``Shards.raw``) reads the batch's bytes first, then each sample is decoded with its own seeds."""
+        raw = getattr(self.dataset, "raw", None)
+        if raw is None:
+            return [self[key] for key in keys]
+        samples = raw([index for _, index in keys])
+        return [
+            self._seeded(epoch, index, self.dataset.decode, sample) for (epoch, index), sample in zip(keys, samples)
+        ]
+
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
+        return self._seeded(epoch, index, self.dataset.__getitem__, index)
+
+    def _seeded(self, epoch: int, index: int, fetch: Callable[[Any], Any], arg: Any) -> Any:
         if get_worker_info() is not None:  # a worker process: its RNG streams are its own to reseed
             _seed_all(sample_seed(self.seed, epoch, index))
-            return self.dataset[index]
+            return fetch(arg)
         saved = rng.capture()  # train.workers=0: this is the training process, whose streams are checkpointed
         try:
             _seed_all(sample_seed(self.seed, epoch, index))
-            return self.dataset[index]
+            return fetch(arg)
         finally:
             rng.restore(saved)
 
@@ -213,7 +255,12 @@ class DatasetBatches:
 
         self.device, self.global_batch, self.world = device, global_batch, world
         self.dataset = dataset
-        self.sampler = StepSampler(len(dataset), seed, global_batch, rank, world)  # type: ignore[arg-type]
+        order = dataset.order(seed) if hasattr(dataset, "order") else None  # Shards bring their own
+        self.sampler = StepSampler(len(dataset), seed, global_batch, rank, world, order and order.epoch)  # type: ignore[arg-type]
+        if hasattr(dataset, "readahead_hint") and dataset.readahead > 0:
+            per_step = max(1, global_batch // world) * max(1, _sample_bytes(dataset))
+            steps = min(AHEAD_STEPS, max(1, dataset.readahead // per_step))
+            self.sampler.ahead, self.sampler.ahead_steps = dataset.readahead_hint, steps
         self.steps_per_epoch = steps_per_epoch(len(dataset), global_batch)  # type: ignore[arg-type]
         self.loader = DataLoader(
             SeededSamples(dataset, seed),
@@ -248,11 +295,14 @@ class DatasetBatches:
         with the seeds a worker uses (``SeededSamples``), in this process."""
         from torch.utils.data import default_collate
 
-        seeded, s = SeededSamples(self.dataset, self.sampler.seed), self.sampler
-        ids = epoch_permutation(s.num_samples, s.seed, epoch).tolist()[
-            rank_slice(step, s.global_batch, s.rank, s.world)
+        seeded = SeededSamples(self.dataset, self.sampler.seed)
+        return [
+            (i, to_device(default_collate([seeded[(epoch, i)]]), self.device)) for i in self.sampler.ids(epoch, step)
         ]
-        return [(i, to_device(default_collate([seeded[(epoch, i)]]), self.device)) for i in ids]
+
+    def name(self, index: int) -> str:
+        """How a sample is named to people: ``shard.tar:key`` for shards, the dataset index otherwise."""
+        return self.dataset.name(index) if hasattr(self.dataset, "name") else str(index)
 
     def epoch(self, epoch: int, start_step: int) -> Iterator[Any]:
         self.sampler.set_position(epoch, start_step)  # read when the loader's iterator starts
@@ -264,6 +314,12 @@ class DatasetBatches:
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+
+
+def _sample_bytes(dataset: Any) -> int:
+    """A sample's mean size on disk (sharded data): what read-ahead in bytes is counted in."""
+    meta = dataset.catalog.meta
+    return sum(m["size"] for m in meta) // max(1, len(dataset))
 
 
 def make_batches(data: Any, device: torch.device, seed: int, global_batch: int, rank: int, world: int, *, cfg: Any):

@@ -16,16 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_slurm.config import ConfigError, checked
+from ddp_slurm.shards import decode
+from ddp_slurm.shards.dataset import Shards
 from ddp_slurm.tasks.mnist import data, models
 from ddp_slurm.train.task import Task, Tensors
 
 
 @dataclass
 class DataConfig:
-    source: Literal["sample", "mnist"] = "sample"
-    """``sample``: the 5,000/5,000 MNIST subset bundled with the package (offline); ``mnist``: full MNIST."""
+    source: Literal["sample", "mnist", "shards"] = "sample"
+    """``sample``: the 5,000/5,000 MNIST subset bundled with the package (offline); ``mnist``: full MNIST;
+    ``shards``: WebDataset shards under ``<root>/train`` and ``<root>/test`` (``ddp-slurm data write
+    task=ddp_slurm.tasks.mnist:MNIST --out <root>/train``, and ``--split eval --out <root>/test``)."""
     root: str = checked("data", resumable=True)
-    """Where full MNIST lives (``<root>/MNIST/raw``); unused for ``sample``."""
+    """Where full MNIST lives (``<root>/MNIST/raw``), or the shards (``shards``); unused for ``sample``."""
     download: bool = checked(True, resumable=True)
     """For ``mnist``: rank 0 downloads missing files (others wait). Off on compute nodes without internet."""
 
@@ -50,7 +54,8 @@ class MNIST(Task):
     best_metric = "accuracy"
 
     def check(self) -> None:
-        size = data.TRAIN_SIZES[self.config.data.source]
+        source = self.config.data.source
+        size = data.TRAIN_SIZES[source] if source != "shards" else len(self._split(train=True))
         if self.ctx.global_batch_size > size:
             raise ConfigError(
                 f"train.global_batch_size={self.ctx.global_batch_size} is larger than the "
@@ -69,18 +74,20 @@ class MNIST(Task):
     def build_model(self) -> nn.Module:
         return models.build(self.config.model.name)
 
-    def _split(self, train: bool) -> Tensors:
+    def _split(self, train: bool) -> Tensors | Shards:
+        if self.config.data.source == "shards":  # read by byte range, in the order of shards/order.py
+            return Shards(Path(self.config.data.root) / ("train" if train else "test"), decode.tensors)
         split = data.load_split(self.config.data.source, self.config.data.root, train=train)
         return Tensors(split.images, split.labels)
 
-    def train_data(self) -> Tensors:
+    def train_data(self) -> Tensors | Shards:
         return self._split(train=True)
 
     def training_step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         images, labels = batch
         return F.cross_entropy(model(data.normalize(images)), labels)
 
-    def eval_data(self) -> Tensors:
+    def eval_data(self) -> Tensors | Shards:
         return self._split(train=False)
 
     def eval_step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -187,8 +187,10 @@ class Guard:
             self.trace = replay.Trace()
             self._go_back(first, self.state["rollbacks"])
             bad = self._culprits(rp.end)
+            names = [run.batches.name(i) for i in bad] if _sharded(run) else list(map(str, bad))
             named = (
-                f"sample(s) {', '.join(map(str, bad))} (dataset index), left out of every later epoch"
+                f"sample(s) {', '.join(names)} ({'shard:key' if _sharded(run) else 'dataset index'}), left out of "
+                "every later epoch"
                 if bad
                 else (f"samples {(first - 1) * g}-{last * g - 1} of the data order; no sample alone explains it")
             )
@@ -201,7 +203,10 @@ class Guard:
                 named,
             )
             found = [[i, (rp.end - 1) // run.steps_per_epoch] for i in bad]
-            self._line("skip", rp.end, steps=[first, last], samples=[(first - 1) * g, last * g], bad_samples=found)
+            extra = {"bad_names": names} if _sharded(run) and bad else {}
+            self._line(
+                "skip", rp.end, steps=[first, last], samples=[(first - 1) * g, last * g], bad_samples=found, **extra
+            )
             return True
         self.trace = rp.trace
         if nobody:
@@ -304,3 +309,8 @@ class _Replay:
 
     def __init__(self, end: int, window: tuple[int, int], first: replay.Trace) -> None:
         self.end, self.window, self.first, self.trace = end, window, first, replay.Trace()
+
+
+def _sharded(run: Any) -> bool:
+    """Whether the run's data names its samples (shards: ``shard.tar:key``); others go by dataset index."""
+    return hasattr(getattr(run.batches, "dataset", None), "name")

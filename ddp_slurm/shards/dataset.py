@@ -1,0 +1,202 @@
+"""``ddp_slurm.Shards``: a folder of WebDataset tar shards as training or evaluation data.
+
+A task returns ``Shards(path, decode)`` from ``train_data()`` or ``eval_data()``. The runtime draws the
+epoch's order from ``order(seed)`` (``order.py``: a pure function of (seed, epoch, position)) and fetches a
+rank's share of each global batch through its DataLoader workers like map-style data (``train/loader.py``):
+the same global batches at any world size and worker count, exact mid-epoch resume, per-sample RNG seeds.
+
+A sample is read by byte range (``os.pread``: no tar object per worker, no file position to share after a
+fork): a worker asked for a batch sorts its samples by shard and offset and reads neighbours closer than
+``GAP`` in one call (``raw``). Each sample's bytes are hashed and checked against the index before
+``decode`` sees them; a shard is checked whole (size, mtime) when the data is opened, and at its ends when a
+process first opens it. Open files and loaded tables are kept per process, a few windows' worth at most,
+so a worker's memory does not grow with the samples it reads.
+
+``readahead_mb``: the training process tells the kernel which byte ranges the next steps of this rank read
+(``POSIX_FADV_WILLNEED``), up to that many bytes ahead. ``stage``: copy the shards to node-local disk first
+(``True``: ``$SLURM_TMPDIR``; or a folder), each copy checked like the original.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from torch.utils.data import Dataset
+
+from ddp_slurm.shards import index
+from ddp_slurm.shards.errors import NoIndex, ShardError
+from ddp_slurm.shards.order import ShardOrder
+
+GAP = 64 << 10  # samples of one shard closer than this are read in one pread (the gap read and dropped)
+
+
+class Shards(Dataset):
+    """WebDataset tar shards, indexed (``ddp-slurm data index DIR``), as a task's data.
+
+    ``path``: a folder of ``*.tar`` shards or a list of tar files. ``decode(sample)``: ``sample`` maps each
+    member's extension (``"jpg"``, ``"cls"``) to its bytes, plus ``"__key__"``; it returns the tuple of
+    tensors a batch is collated from. ``window``: shards whose samples are shuffled together (more mixes
+    better, each global batch then touches more files). ``readahead_mb`` and ``stage``: module docstring.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | list,
+        decode: Callable[[dict[str, Any]], Any],
+        *,
+        window: int = 8,
+        readahead_mb: float = 64,
+        stage: bool | str | Path = False,
+        shared: bool = False,
+    ) -> None:
+        if window < 1:
+            raise NoIndex(f"Shards(window={window}): a window holds at least one shard")
+        self.decode, self.window, self.readahead = decode, window, int(readahead_mb * (1 << 20))
+        self.catalog = index.load(path, shared)
+        self.catalog.check()
+        self.files = list(self.catalog.paths)  # where the bytes are read from (a staged copy, or the shard)
+        if stage:
+            self.files = _stage(self.catalog, Path(os.environ.get("SLURM_TMPDIR", "")) if stage is True else stage)
+        self._pid = -1
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._tables: OrderedDict[int, index.Table] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.catalog)
+
+    def __getitem__(self, gid: int) -> Any:
+        return self.decode(self.raw([gid])[0])
+
+    def order(self, seed: int) -> ShardOrder:
+        """The training order (``order.py``) for the run's seed."""
+        return ShardOrder(self.catalog.offsets, seed, self.window)
+
+    def locate(self, gid: int) -> tuple[int, int]:
+        """(shard number, sample number in it) of global sample id ``gid``."""
+        if not 0 <= gid < len(self.catalog):
+            raise IndexError(f"sample {gid} of {len(self.catalog)}")
+        shard = bisect_right(self.catalog.offsets, gid) - 1
+        return shard, gid - self.catalog.offsets[shard]
+
+    def name(self, gid: int) -> str:
+        """``shard.tar:key``: how the guard and the log name a sample."""
+        shard, i = self.locate(gid)
+        return f"{self.catalog.paths[shard].name}:{self._table(shard).keys[i]}"
+
+    def raw(self, gids: list[int]) -> list[dict[str, Any]]:
+        """The samples ``gids`` as ``{ext: bytes, "__key__": key}``, in the order asked, each checked against its
+        hash; neighbours in one shard read together."""
+        where = sorted((*self.locate(g), n) for n, g in enumerate(gids))
+        out: list[dict[str, Any]] = [{}] * len(gids)
+        run: list[tuple[int, int, int]] = []
+        for shard, i, n in where:
+            if run and (run[0][0] != shard or self._table(shard).start[i] - self._end(run[-1]) > GAP):
+                self._read(run, out)
+                run = []
+            run.append((shard, i, n))
+        if run:
+            self._read(run, out)
+        return out
+
+    def readahead_hint(self, gids: list[int]) -> int:
+        """Ask the kernel to start reading the samples ``gids`` (the training process, steps ahead): the bytes
+        hinted."""
+        hinted = 0
+        for shard, i in sorted(self.locate(g) for g in gids):
+            t = self._table(shard)
+            os.posix_fadvise(self._fd(shard), t.start[i], t.end[i] - t.start[i], os.POSIX_FADV_WILLNEED)
+            hinted += t.end[i] - t.start[i]
+        return hinted
+
+    def _end(self, item: tuple[int, int, int]) -> int:
+        return self._table(item[0]).end[item[1]]
+
+    def _read(self, run: list[tuple[int, int, int]], out: list[dict[str, Any]]) -> None:
+        shard = run[0][0]
+        t = self._table(shard)
+        first, last = t.start[run[0][1]], t.end[run[-1][1]]
+        data = os.pread(self._fd(shard), last - first, first)
+        for _, i, n in run:
+            chunk = memoryview(data)[t.start[i] - first : t.end[i] - first]
+            if len(chunk) != t.end[i] - t.start[i] or xxhash.xxh3_64_hexdigest(chunk) != t.hash[i]:
+                raise ShardError(
+                    f"sample {self.catalog.paths[shard].name}:{t.keys[i]} does not match its index (shard "
+                    f"{self.catalog.paths[shard]} was changed or damaged): restore the shard, or run "
+                    f"{index.command(self.catalog.paths[shard].parent)} if the change is yours"
+                )
+            sample: dict[str, Any] = {"__key__": t.keys[i]}
+            for ext, offset, size in t.members[i]:
+                sample[ext] = bytes(chunk[offset : offset + size])
+            out[n] = sample
+
+    def _own(self) -> None:
+        """Caches belong to one process: a forked worker starts its own (the parent's descriptors it inherited
+        are left to the parent)."""
+        if self._pid != os.getpid():
+            self._pid, self._fds, self._tables = os.getpid(), OrderedDict(), OrderedDict()
+
+    def _keep(self) -> int:
+        return 2 * self.window + 2  # two windows (a batch spans two at most) and a little slack
+
+    def _fd(self, shard: int) -> int:
+        self._own()
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = (
+                self.catalog.open(shard)
+                if self.files[shard] == self.catalog.paths[shard]
+                else (_open_copy(self.files[shard]))
+            )
+            if len(self._fds) > self._keep():
+                os.close(self._fds.popitem(last=False)[1])
+        self._fds.move_to_end(shard)
+        return fd
+
+    def _table(self, shard: int) -> index.Table:
+        self._own()
+        table = self._tables.get(shard)
+        if table is None:
+            table = self._tables[shard] = self.catalog.table(shard)
+            if len(self._tables) > self._keep():
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(shard)
+        return table
+
+
+def _open_copy(path: Path) -> int:
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
+    """Copies of the shards under ``folder`` (node-local disk), made once per node: a copy is written under a
+    temporary name and renamed, and one already there is kept when its size and ends match the index."""
+    from ddp_slurm.shards.tarscan import ends_hash
+
+    if not str(folder):
+        raise NoIndex("Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead")
+    into = Path(folder) / "ddp-slurm-shards"
+    into.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for path, meta in zip(catalog.paths, catalog.meta):
+        copy = into / f"{meta['table'][:16]}-{path.name}"
+        if copy.is_file() and not copy.is_symlink() and copy.stat().st_size == meta["size"]:
+            fd = _open_copy(copy)
+            try:
+                fresh = ends_hash(fd, meta["size"]) == meta["ends"]
+            finally:
+                os.close(fd)
+            if fresh:
+                copies.append(copy)
+                continue
+        tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, copy)
+        copies.append(copy)
+    return copies

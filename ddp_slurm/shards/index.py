@@ -1,0 +1,238 @@
+"""The index of a folder of shards: built once (``ddp-slurm data index DIR``), read by every rank.
+
+Layout, beside the shards: ``DIR/.ddp-slurm-index/index.json`` lists each shard (name, size, mtime, the
+hash of its ends, its sample count, the digest of its table) and is sealed like a checkpoint (the XXH3
+trailer of ``train/checkpoint/seal.py``); ``tables/<digest>.json`` holds one shard's samples (key, byte
+range, hash, members), read only when a process first opens that shard and checked against the digest the
+sealed index names. A rebuild writes new tables first and the index last (one atomic rename), so a job
+reading the old index keeps its tables until the rebuild prunes them.
+
+Reading goes through the checkpoints' gate: no symlink, a plain file, and nobody but its owner (or the
+group, with ``run.shared``) able to write it (``safefs.check_trusted``; a dataset another user publishes
+read-only passes). Nothing is unpickled: the index is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from ddp_slurm import safefs
+from ddp_slurm.shards import tarscan
+from ddp_slurm.shards.errors import NoIndex, ShardError
+from ddp_slurm.train.checkpoint.seal import SLICE, XXH3
+
+log = logging.getLogger(__name__)
+
+FOLDER, INDEX, TABLES = ".ddp-slurm-index", "index.json", "tables"
+FORMAT = 1
+LIMIT = 1 << 31  # bytes an index file may hold (10^5 shards take about 20 MB)
+
+
+def command(folder: Path) -> str:
+    return f"`ddp-slurm data index {folder}`"
+
+
+def sealed(body: bytes) -> bytes:
+    """``body`` with the checkpoints' seal appended."""
+    digests = [XXH3.new(body[i : i + SLICE]).digest() for i in range(0, len(body), SLICE)]
+    return body + XXH3.trailer(XXH3.seal_of(digests))
+
+
+def unsealed(data: bytes, path: Path) -> bytes:
+    """The body of a sealed file; ``ShardError`` when the seal is missing or does not match."""
+    body, tail = data[: -XXH3.trailer_bytes], data[-XXH3.trailer_bytes :]
+    if not tail.startswith(XXH3.magic) or sealed(body) != data:
+        raise ShardError(f"{path} is damaged (its seal does not match): run {command(path.parent.parent)} again")
+    return body
+
+
+def shards_in(folder: Path) -> list[Path]:
+    """The shards of a folder: its ``*.tar`` files, by name (compressed ones are refused by name too)."""
+    if not folder.is_dir():
+        raise NoIndex(f"{folder} is not a folder of shards")
+    for pattern in ("*.tar.gz", "*.tgz", "*.tar.zst", "*.tar.xz", "*.tar.bz2"):
+        found = sorted(folder.glob(pattern))
+        if found:
+            raise ShardError(
+                f"{found[0]} is compressed: shards must be plain tars (no random access in a compressed one); "
+                f"decompress them, then run {command(folder)}"
+            )
+    return sorted(p for p in folder.glob("*.tar") if p.is_file())
+
+
+def build(folder: Path, shared: bool = False) -> dict:
+    """Index every shard of ``folder`` (see the module docstring); the index written, its summary returned."""
+    folder = Path(folder)
+    shards = shards_in(folder)
+    if not shards:
+        raise NoIndex(f"{folder} holds no .tar shards")
+    where = folder / FOLDER
+    safefs.make_dir(where / TABLES, shared)
+    entries, total = [], 0
+    for n, shard in enumerate(shards):
+        samples = tarscan.scan(shard)
+        if not samples:
+            raise ShardError(f"{shard} holds no samples (members named <key>.<ext>)")
+        body = json.dumps(
+            {
+                "shard": shard.name,
+                "keys": [s.key for s in samples],
+                "start": [s.start for s in samples],
+                "end": [s.end for s in samples],
+                "hash": [s.hash for s in samples],
+                "members": [s.members for s in samples],
+            },
+            separators=(",", ":"),
+        ).encode()
+        digest = xxhash.xxh3_128_hexdigest(body)
+        table = where / TABLES / f"{digest}.json"
+        if not table.exists():
+            safefs.write_atomic(table, lambda f, b=body: f.write(b), shared)
+        st = os.stat(shard)
+        with shard.open("rb") as f:
+            ends = tarscan.ends_hash(f.fileno(), st.st_size)
+        entries.append(
+            {
+                "name": shard.name,
+                "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns,
+                "ends": ends,
+                "samples": len(samples),
+                "table": digest,
+            }
+        )
+        total += len(samples)
+        if (n + 1) % 100 == 0:
+            log.info("indexed %d of %d shards (%d samples)", n + 1, len(shards), total)
+    body = json.dumps({"format": FORMAT, "samples": total, "shards": entries}, indent=0).encode()
+    safefs.write_atomic(where / INDEX, lambda f: f.write(sealed(body)), shared)
+    keep = {f"{e['table']}.json" for e in entries}
+    for old in (where / TABLES).glob("*.json"):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    return {"folder": str(folder), "shards": len(entries), "samples": total}
+
+
+@dataclass
+class Table:
+    """One shard's samples, as the index recorded them."""
+
+    keys: list[str]
+    start: list[int]
+    end: list[int]
+    hash: list[str]
+    members: list[list[list]]
+
+
+class Catalog:
+    """The shards a ``Shards`` reads, from their index: paths and sizes in a few arrays (O(shards)); each
+    shard's table loaded on demand (``table``)."""
+
+    def __init__(self, entries: list[tuple[Path, dict]], shared: bool = False) -> None:
+        self.paths = [p for p, _ in entries]
+        self.meta = [e for _, e in entries]
+        self.shared = shared
+        counts = [int(e["samples"]) for _, e in entries]
+        self.offsets = array("q", [0])  # first global sample id of each shard, then the total
+        for c in counts:
+            self.offsets.append(self.offsets[-1] + c)
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def counts(self) -> list[int]:
+        return [self.offsets[i + 1] - self.offsets[i] for i in range(len(self.paths))]
+
+    def check(self) -> None:
+        """Every shard still the one indexed (present, a plain file, same size and mtime): ``ShardError`` for the
+        first that is not. The ends' hash is checked when a process opens the shard (``open``)."""
+        for path, meta in zip(self.paths, self.meta):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                raise ShardError(
+                    f"shard {path} is missing (it is in the index): restore it, or run {command(path.parent)} "
+                    "if it was removed on purpose"
+                ) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise ShardError(f"shard {path} is not a plain file (a symlink or device): replace it with the file")
+            if st.st_size != meta["size"] or st.st_mtime_ns != meta["mtime_ns"]:
+                what = f"{st.st_size} bytes, indexed at {meta['size']}" if st.st_size != meta["size"] else "touched"
+                raise ShardError(
+                    f"shard {path} changed since it was indexed ({what}): restore it, or run "
+                    f"{command(path.parent)} if the change is yours"
+                )
+
+    def open(self, shard: int) -> int:
+        """A read-only descriptor on ``shard``, once its ends still hash as indexed."""
+        path, meta = self.paths[shard], self.meta[shard]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != meta["size"]:
+            os.close(fd)
+            raise ShardError(f"shard {path} changed since it was indexed: restore it, or run {command(path.parent)}")
+        if tarscan.ends_hash(fd, st.st_size) != meta["ends"]:
+            os.close(fd)
+            raise ShardError(
+                f"shard {path} changed since it was indexed (its first or last bytes differ): restore it, or run "
+                f"{command(path.parent)} if the change is yours"
+            )
+        return fd
+
+    def table(self, shard: int) -> Table:
+        path = self.paths[shard]
+        file = path.parent / FOLDER / TABLES / f"{self.meta[shard]['table']}.json"
+        data = _read_trusted(file, self.shared)
+        if data is None or xxhash.xxh3_128_hexdigest(data) != self.meta[shard]["table"]:
+            raise ShardError(f"{file} is missing or damaged: run {command(path.parent)} again")
+        t = json.loads(data)
+        return Table(t["keys"], t["start"], t["end"], t["hash"], t["members"])
+
+
+def _read_trusted(path: Path, shared: bool) -> bytes | None:
+    if not os.path.lexists(path):
+        return None
+    safefs.check_trusted(path, shared, use="read shards indexed by", published=True)
+    return safefs.read_bytes(path, LIMIT)
+
+
+def load(path: str | Path | list, shared: bool = False) -> Catalog:
+    """The catalog of a folder of shards, or of a list of tar files (each listed in its folder's index).
+    ``NoIndex`` names the command when an index is missing or older than the shards it lists."""
+    wanted = [Path(p) for p in path] if isinstance(path, (list, tuple)) else None
+    folders = sorted({p.parent for p in wanted}) if wanted else [Path(path)]
+    indexed: dict[Path, dict] = {}
+    for folder in folders:
+        file = folder / FOLDER / INDEX
+        if os.path.lexists(folder / FOLDER):
+            safefs.check_trusted(folder / FOLDER, shared, use="read shards indexed by", published=True)
+        data = _read_trusted(file, shared)
+        if data is None:
+            if not folder.is_dir():
+                raise NoIndex(f"{folder} is not a folder of shards")
+            raise NoIndex(f"{folder} has no shard index: run {command(folder)} once (not inside a job)")
+        index = json.loads(unsealed(data, file))
+        if index.get("format") != FORMAT:
+            raise NoIndex(f"{file} is of another format ({index.get('format')}): run {command(folder)} again")
+        for entry in index["shards"]:
+            indexed[folder / entry["name"]] = entry
+        if wanted is None:
+            on_disk = {p.name for p in folder.glob("*.tar")}
+            new = sorted(on_disk - {e["name"] for e in index["shards"]})
+            if new:
+                raise NoIndex(f"{folder / new[0]} is not in the index: run {command(folder)} again")
+    if wanted is None:
+        return Catalog(list(indexed.items()), shared)
+    missing = [p for p in wanted if p not in indexed]
+    if missing:
+        raise NoIndex(f"{missing[0]} is not in its folder's index: run {command(missing[0].parent)}")
+    return Catalog([(p, indexed[p]) for p in wanted], shared)
