@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_slurm import Shards, Task, Tensors
+from ddp_slurm.config import checked
 from ddp_slurm.shards.decode import tensors
 
 
@@ -36,7 +37,7 @@ class PoisonSection:
     fault_call: int = 0
     size: int = 512
     sleep: float = 0.0
-    signal_call: int = 0
+    signal_call: int = checked(0, resumable=True)
     """At its N-th training step, the process sends itself SIGUSR2 (a stop that lands on a known step), once:
     a file ``signalled`` in the working directory says it was sent."""
     """Seconds each training step sleeps (a run slow enough for a signal to land mid-run)."""
