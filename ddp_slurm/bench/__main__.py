@@ -25,10 +25,16 @@ COMMANDS = {
     "checkpoint": "per-checkpoint training stall, synchronous vs asynchronous (checkpoint.async)",
     "memory": "per-rank model-state bytes and peak memory, DDP vs FSDP2 (dist.strategy)",
     "overhead": "the real training loop vs a bare PyTorch loop, same model, data and batch: ratio",
+    "shards": "the same samples from shards vs one file each, cold cache, the runtime's loader: ratio",
 }
 # Named for what they measure, not after the runtime modules they exercise (train/loader.py, train/ddp.py,
 # train/checkpoint/), so that no two modules of the package share a name.
-MODULES = {"loader": "pipeline_speed", "ddp": "ddp_scaling", "checkpoint": "checkpoint_stall"}
+MODULES = {
+    "loader": "pipeline_speed",
+    "ddp": "ddp_scaling",
+    "checkpoint": "checkpoint_stall",
+    "shards": "shard_reading",
+}
 
 
 def module_of(command: str):

@@ -44,6 +44,7 @@ class Shards(Dataset):
     member's extension (``"jpg"``, ``"cls"``) to its bytes, plus ``"__key__"``; it returns the tuple of
     tensors a batch is collated from. ``window``: shards whose samples are shuffled together (more mixes
     better, each global batch then touches more files). ``readahead_mb`` and ``stage``: module docstring.
+    ``shared``: the index may be writable by the group (a team's data, as with ``run.shared``).
     """
 
     def __init__(

@@ -128,8 +128,9 @@ class Task:
         raise NotImplementedError
 
     def train_data(self) -> Any:
-        """Training data: ``Tensors(...)`` (in memory) or a map-style ``torch.utils.data.Dataset``.
-        The runtime orders it per epoch from ``(run.seed, epoch)`` and shards each global batch."""
+        """Training data: ``Tensors(...)`` (in memory), a map-style ``torch.utils.data.Dataset``, or
+        ``ddp_slurm.Shards(path, decode)`` (WebDataset tar shards). The runtime orders it per epoch from
+        ``(run.seed, epoch)`` and shards each global batch."""
         raise NotImplementedError
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -147,7 +148,7 @@ class Task:
         """Rank 0 only, before any rank reads data: download, unpack, generate. Others wait for it."""
 
     def eval_data(self) -> Any:
-        """Evaluation data (``Tensors`` or a Dataset), or None for no evaluation. Each sample is
+        """Evaluation data (``Tensors``, a Dataset or ``Shards``), or None for no evaluation. Each sample is
         evaluated exactly once, whatever the world size."""
         return None
 
