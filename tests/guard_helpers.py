@@ -33,6 +33,8 @@ from ddp_slurm.shards.decode import tensors
 class PoisonSection:
     ids: str = ""
     """Comma-separated sample ids whose loss is multiplied by 1e6."""
+    nan: bool = False
+    """The loss of a batch holding one of ``ids`` is NaN instead (a NaN-producing sample)."""
     fault_rank: int = -1
     fault_call: int = 0
     size: int = 512
@@ -94,7 +96,8 @@ class Poison(Task):
         if len(self.ids):
             if self.ids.device != idx.device:  # on a GPU: once, at the first step (before the sync-debug watch)
                 self.ids = self.ids.to(idx.device)
-            loss = loss * torch.where(torch.isin(idx, self.ids).any(), 1e6, 1.0)
+            bad = float("nan") if self.config.poison.nan else 1e6
+            loss = loss * torch.where(torch.isin(idx, self.ids).any(), bad, 1.0)
         if not model.training:  # the guard trying samples one at a time (eval mode): no training step
             return loss
         self.calls += 1

@@ -19,7 +19,7 @@ import torch
 from ddp_slurm import Shards, data, errors, safefs
 from ddp_slurm.shards import index, order
 from ddp_slurm.shards.decode import tensors
-from ddp_slurm.shards.errors import NoIndex, ShardError
+from ddp_slurm.shards.errors import ShardUsageError, ShardError
 from ddp_slurm.train import loader
 
 SAMPLES, SHARDS = 300, 7
@@ -109,7 +109,7 @@ def test_the_order_of_a_billion_samples_in_100000_shards_holds_under_4_mb() -> N
 def test_a_folder_without_an_index_names_the_command(tmp_path: Path) -> None:
     shards = write_points(tmp_path)
     (shards / index.FOLDER / index.INDEX).unlink()
-    with pytest.raises(NoIndex, match=r"has no shard index: run `ddp-slurm data index .*shards` once"):
+    with pytest.raises(ShardUsageError, match=r"has no shard index: run `ddp-slurm data index .*shards` once"):
         Shards(shards, decode)
     assert data.main(["index", str(shards)]) == 0
     assert len(Shards(shards, decode)) == SAMPLES
@@ -118,7 +118,7 @@ def test_a_folder_without_an_index_names_the_command(tmp_path: Path) -> None:
 def test_a_shard_added_after_indexing_is_refused_until_indexed(tmp_path: Path) -> None:
     shards = write_points(tmp_path)
     (shards / "shard-000099.tar").write_bytes((shards / "shard-000000.tar").read_bytes())
-    with pytest.raises(NoIndex, match="shard-000099.tar is not in the index: run `ddp-slurm data index"):
+    with pytest.raises(ShardUsageError, match="shard-000099.tar is not in the index: run `ddp-slurm data index"):
         Shards(shards, decode)
 
 
@@ -222,7 +222,7 @@ def test_the_index_is_read_through_the_checkpoints_gate(tmp_path: Path) -> None:
     file.write_bytes(body.replace(b'"samples"', b'"sampleZ"', 1))
     with pytest.raises(ShardError, match="its seal does not match"):
         Shards(shards, decode)
-    assert issubclass(NoIndex, errors.UsageError)
+    assert issubclass(ShardUsageError, errors.UsageError)
 
 
 # -- writing --------------------------------------------------------------------------------------------
@@ -301,3 +301,22 @@ def test_a_worker_keeps_a_few_windows_of_tables_and_files(tmp_path: Path) -> Non
     for gid in range(0, len(s), 3):
         s.raw([gid])
     assert len(s._tables) <= 6 and len(s._fds) <= 6
+
+
+def test_staged_copies_are_read_checked_and_made_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shards = write_points(tmp_path)
+    local = tmp_path / "node-local"
+    s = Shards(shards, decode, stage=local)
+    copies = sorted((local / "ddp-slurm-shards").glob("*.tar"))
+    assert len(copies) == SHARDS and sorted(s.files) == copies
+    assert [d["__key__"] for d in s.raw(list(range(len(s))))] == [s.name(g).split(":")[1] for g in range(len(s))]
+    made = {c: c.stat().st_mtime_ns for c in copies}
+    _flip(copies[0], copies[0].stat().st_size - 10)  # a stale copy: its end differs from the index
+    Shards(shards, decode, stage=local)
+    assert copies[0].stat().st_mtime_ns != made[copies[0]]  # made again
+    assert all(c.stat().st_mtime_ns == made[c] for c in copies[1:])  # the others kept
+    monkeypatch.delenv("SLURM_TMPDIR", raising=False)
+    with pytest.raises(ShardUsageError, match=r"stage=True\) needs \$SLURM_TMPDIR"):
+        Shards(shards, decode, stage=True)
+    monkeypatch.setenv("SLURM_TMPDIR", str(local))
+    assert Shards(shards, decode, stage=True).files == s.files

@@ -90,12 +90,21 @@ def test_resumes_at_other_world_sizes_and_worker_counts_train_the_same_global_ba
 
 
 def test_a_bad_sample_costs_one_rollback_and_is_named_by_its_key(tmp_path: Path) -> None:
-    """Sample 300 (its key: 000000300) poisons every step it is in, over 3 guarded epochs: one rollback, one
-    skip naming ``shard-...tar:000000300`` in the log, guard.jsonl and ``report``'s rollback lines; the later
-    epochs train without it."""
+    """Sample 300 (its key: 000000300) makes the loss of every step it is in NaN, over 3 guarded epochs: one
+    rollback, one skip naming ``shard-...tar:000000300`` in the log, guard.jsonl and ``report``'s rollback lines;
+    the later epochs train without it."""
     write_poison_task(tmp_path)
     data_write(tmp_path, "task=poison_task.py:Poison", "--out", "shards", "--shards", "6")
-    res = launch(tmp_path, 1, *GUARDED, "train.epochs=3", "poison.shards=shards", "poison.ids=300", "run.name=bad")
+    res = launch(
+        tmp_path,
+        1,
+        *GUARDED,
+        "train.epochs=3",
+        "poison.shards=shards",
+        "poison.ids=300",
+        "poison.nan=true",
+        "run.name=bad",
+    )
     assert res.returncode == EXIT_OK, res.stderr[-3000:]
     run_dir = tmp_path / "runs" / "bad"
     assert len(rows(run_dir, "rollback")) == 1, rows(run_dir, "rollback")

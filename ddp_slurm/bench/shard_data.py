@@ -49,6 +49,17 @@ def write_shards(files: Path, out: Path, per_shard: int) -> tuple[float, int]:
     return time.perf_counter() - start, int(summary["shards"])
 
 
+def small_shards(folder: Path, shards: int = 200, per_shard: int = 50) -> Path:
+    """Many small shards (a JSONL list of tiny samples through the writer): what ``memory_flatness`` reads."""
+    from ddp_slurm.shards.write import write
+
+    folder.mkdir(parents=True)
+    rows = "".join(f'{{"__key__": "{i}", "cls": {i}}}\n' for i in range(shards * per_shard))
+    (folder / "list.jsonl").write_text(rows)
+    write(str(folder / "list.jsonl"), folder / "shards", shards=shards)
+    return folder / "shards"
+
+
 def check_space(folder: Path, count: int, payload: int) -> None:
     """BenchError when ``folder``'s disk cannot take both layouts (a file takes whole 4 KiB blocks, a shard
     member a 512-byte header and padding) with a margin."""

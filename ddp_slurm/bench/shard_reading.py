@@ -20,7 +20,7 @@ misses with the kernel's read-ahead and the file system's metadata blocks. Not c
 entries and directory blocks the eviction could not drop (map-style opens a file per sample, so this
 favours it). n/a where the kernel does not keep the counter.
 
-``--memory``: also read ``--memory-reads`` samples (default 10^6) of a small shard set (500 shards of 20
+``--memory``: also read ``--memory-reads`` samples (default 10^6) of a small shard set (200 shards of 50
 samples) through ``Shards.raw`` in this process, in the training order: RSS and the open-file and table
 caches after a tenth of them and after all; flat memory means the growth stays near zero.
 
@@ -121,10 +121,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
                 passes[name].append(read_pass(data, paths, args, steps, epoch=r))
         memory = None
         if args.memory:
-            small = folder / "small"
-            sd.write_files(small / "files", 10_000, 64, seed=1)
-            sd.write_shards(small / "files", small / "shards", 20)
-            memory = sd.memory_flatness(small / "shards", args.memory_reads, 0, args.batch)
+            memory = sd.memory_flatness(sd.small_shards(folder / "small"), args.memory_reads, 0, args.batch)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return payload_of(args, threads, passes, files_s, shards_s, n_shards, memory)

@@ -31,7 +31,7 @@ import xxhash
 from torch.utils.data import Dataset
 
 from ddp_slurm.shards import index
-from ddp_slurm.shards.errors import NoIndex, ShardError
+from ddp_slurm.shards.errors import ShardUsageError, ShardError
 from ddp_slurm.shards.order import ShardOrder
 
 GAP = 64 << 10  # samples of one shard closer than this are read in one pread (the gap read and dropped)
@@ -58,13 +58,13 @@ class Shards(Dataset):
         shared: bool = False,
     ) -> None:
         if window < 1:
-            raise NoIndex(f"Shards(window={window}): a window holds at least one shard")
+            raise ShardUsageError(f"Shards(window={window}): a window holds at least one shard")
         self.decode, self.window, self.readahead = decode, window, int(readahead_mb * (1 << 20))
         self.catalog = index.load(path, shared)
         self.catalog.check()
         self.files = list(self.catalog.paths)  # where the bytes are read from (a staged copy, or the shard)
         if stage:
-            self.files = _stage(self.catalog, Path(os.environ.get("SLURM_TMPDIR", "")) if stage is True else stage)
+            self.files = _stage(self.catalog, os.environ.get("SLURM_TMPDIR", "") if stage is True else stage)
         self._pid = -1
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._tables: OrderedDict[int, index.Table] = OrderedDict()
@@ -181,7 +181,7 @@ def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
     from ddp_slurm.shards.tarscan import ends_hash
 
     if not str(folder):
-        raise NoIndex("Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead")
+        raise ShardUsageError("Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead")
     into = Path(folder) / "ddp-slurm-shards"
     into.mkdir(parents=True, exist_ok=True)
     copies = []

@@ -1,7 +1,7 @@
 """The two ways shard data is refused, each one line with its exit code (``ddp_slurm.errors``).
 
 A shard that does not match its index is ``ShardError`` (exit 65, EX_DATAERR): the data changed under the
-run, and no order is made of it. A folder without an index is ``NoIndex`` (exit 2): nothing was started,
+run, and no order is made of it. A folder without an index is ``ShardUsageError`` (exit 2): nothing was started,
 and the message names the command that builds it; an index is never built silently inside a job.
 
 A ``ShardError`` raised in a DataLoader worker reaches the training process re-raised by torch with the
@@ -36,5 +36,6 @@ class ShardError(errors.Error):
         super().__init__(_one_line(message))
 
 
-class NoIndex(errors.UsageError):
-    """Shards without a current index (or a path that holds no shards): exit 2, naming the command to run."""
+class ShardUsageError(errors.UsageError):
+    """Shards that cannot be used as asked (no current index, a path without shards, staging without a place
+    to stage to): exit 2; a missing index names the command that builds it."""

@@ -26,7 +26,7 @@ import xxhash
 
 from ddp_slurm import safefs
 from ddp_slurm.shards import tarscan
-from ddp_slurm.shards.errors import NoIndex, ShardError
+from ddp_slurm.shards.errors import ShardUsageError, ShardError
 from ddp_slurm.train.checkpoint.seal import SLICE, XXH3
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def unsealed(data: bytes, path: Path) -> bytes:
 def shards_in(folder: Path) -> list[Path]:
     """The shards of a folder: its ``*.tar`` files, by name (compressed ones are refused by name too)."""
     if not folder.is_dir():
-        raise NoIndex(f"{folder} is not a folder of shards")
+        raise ShardUsageError(f"{folder} is not a folder of shards")
     for pattern in ("*.tar.gz", "*.tgz", "*.tar.zst", "*.tar.xz", "*.tar.bz2"):
         found = sorted(folder.glob(pattern))
         if found:
@@ -73,7 +73,7 @@ def build(folder: Path, shared: bool = False) -> dict:
     folder = Path(folder)
     shards = shards_in(folder)
     if not shards:
-        raise NoIndex(f"{folder} holds no .tar shards")
+        raise ShardUsageError(f"{folder} holds no .tar shards")
     where = folder / FOLDER
     safefs.make_dir(where / TABLES, shared)
     entries, total = [], 0
@@ -207,7 +207,7 @@ def _read_trusted(path: Path, shared: bool) -> bytes | None:
 
 def load(path: str | Path | list, shared: bool = False) -> Catalog:
     """The catalog of a folder of shards, or of a list of tar files (each listed in its folder's index).
-    ``NoIndex`` names the command when an index is missing or older than the shards it lists."""
+    ``ShardUsageError`` names the command when an index is missing or older than the shards it lists."""
     wanted = [Path(p) for p in path] if isinstance(path, (list, tuple)) else None
     folders = sorted({p.parent for p in wanted}) if wanted else [Path(path)]
     indexed: dict[Path, dict] = {}
@@ -218,21 +218,21 @@ def load(path: str | Path | list, shared: bool = False) -> Catalog:
         data = _read_trusted(file, shared)
         if data is None:
             if not folder.is_dir():
-                raise NoIndex(f"{folder} is not a folder of shards")
-            raise NoIndex(f"{folder} has no shard index: run {command(folder)} once (not inside a job)")
+                raise ShardUsageError(f"{folder} is not a folder of shards")
+            raise ShardUsageError(f"{folder} has no shard index: run {command(folder)} once (not inside a job)")
         index = json.loads(unsealed(data, file))
         if index.get("format") != FORMAT:
-            raise NoIndex(f"{file} is of another format ({index.get('format')}): run {command(folder)} again")
+            raise ShardUsageError(f"{file} is of another format ({index.get('format')}): run {command(folder)} again")
         for entry in index["shards"]:
             indexed[folder / entry["name"]] = entry
         if wanted is None:
             on_disk = {p.name for p in folder.glob("*.tar")}
             new = sorted(on_disk - {e["name"] for e in index["shards"]})
             if new:
-                raise NoIndex(f"{folder / new[0]} is not in the index: run {command(folder)} again")
+                raise ShardUsageError(f"{folder / new[0]} is not in the index: run {command(folder)} again")
     if wanted is None:
         return Catalog(list(indexed.items()), shared)
     missing = [p for p in wanted if p not in indexed]
     if missing:
-        raise NoIndex(f"{missing[0]} is not in its folder's index: run {command(missing[0].parent)}")
+        raise ShardUsageError(f"{missing[0]} is not in its folder's index: run {command(missing[0].parent)}")
     return Catalog([(p, indexed[p]) for p in wanted], shared)
