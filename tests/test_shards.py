@@ -19,7 +19,7 @@ import torch
 from ddp_slurm import Shards, data, errors, safefs
 from ddp_slurm.shards import index, order
 from ddp_slurm.shards.decode import tensors
-from ddp_slurm.shards.errors import ShardUsageError, ShardError
+from ddp_slurm.shards.errors import ShardError, ShardUsageError
 from ddp_slurm.train import loader
 
 SAMPLES, SHARDS = 300, 7

@@ -31,7 +31,7 @@ import xxhash
 from torch.utils.data import Dataset
 
 from ddp_slurm.shards import index
-from ddp_slurm.shards.errors import ShardUsageError, ShardError
+from ddp_slurm.shards.errors import ShardError, ShardUsageError
 from ddp_slurm.shards.order import ShardOrder
 
 GAP = 64 << 10  # samples of one shard closer than this are read in one pread (the gap read and dropped)
@@ -181,7 +181,9 @@ def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
     from ddp_slurm.shards.tarscan import ends_hash
 
     if not str(folder):
-        raise ShardUsageError("Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead")
+        raise ShardUsageError(
+            "Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead"
+        )
     into = Path(folder) / "ddp-slurm-shards"
     into.mkdir(parents=True, exist_ok=True)
     copies = []

@@ -26,7 +26,7 @@ import xxhash
 
 from ddp_slurm import safefs
 from ddp_slurm.shards import tarscan
-from ddp_slurm.shards.errors import ShardUsageError, ShardError
+from ddp_slurm.shards.errors import ShardError, ShardUsageError
 from ddp_slurm.train.checkpoint.seal import SLICE, XXH3
 
 log = logging.getLogger(__name__)
