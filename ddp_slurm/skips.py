@@ -42,20 +42,23 @@ def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-_SAMPLE = re.compile(r"\s*(\d{1,12})\s*(?:@\s*(\d{1,6})\s*)?")
+_SAMPLE = re.compile(r"\s*(\d{1,12}|[^\s,@:]{1,255}:[^\s,@]{1,255})\s*(?:@\s*(\d{1,6})\s*)?")
 
 
-def parse_samples(text: str) -> list[tuple[int, int]]:
-    """``"300, 512@2"`` -> ``[(300, 0), (512, 2)]``: dataset indices left out of training, each from an epoch on
-    (counted from 0; every epoch without ``@``); ValueError saying what is wrong."""
-    out = []
+def parse_samples(text: str) -> list[tuple[int | str, int]]:
+    """``"300, 512@2, shard-000003.tar:cat42@1"`` -> ``[(300, 0), (512, 2), ("shard-000003.tar:cat42", 1)]``:
+    samples left out of training (a dataset index, or a sharded sample's ``shard.tar:key`` name), each from an
+    epoch on (counted from 0; every epoch without ``@``); ValueError saying what is wrong."""
+    out: list[tuple[int | str, int]] = []
     for part in text.split(","):
         m = _SAMPLE.fullmatch(part)
         if m is None:
-            raise ValueError(f"{part.strip()!r} is not a dataset index or INDEX@EPOCH")
-        out.append((int(m[1]), int(m[2] or 0)))
+            raise ValueError(f"{part.strip()!r} is not a dataset index, a shard.tar:key name, or either @EPOCH")
+        out.append((int(m[1]) if m[1].isdigit() else m[1], int(m[2] or 0)))
     if len(out) > MAX_RANGES:
         raise ValueError(f"more than {MAX_RANGES} samples")
+    return sorted(set(out), key=lambda p: (isinstance(p[0], str), p))
+
     return sorted(set(out))
 
 

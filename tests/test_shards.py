@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_slurm import Shards, data, errors, safefs
+from ddp_slurm import Shards, data, errors, safefs, skips
 from ddp_slurm.shards import index, order
 from ddp_slurm.shards.decode import tensors
 from ddp_slurm.shards.errors import ShardError, ShardUsageError
@@ -223,6 +223,16 @@ def test_the_index_is_read_through_the_checkpoints_gate(tmp_path: Path) -> None:
     with pytest.raises(ShardError, match="its seal does not match"):
         Shards(shards, decode)
     assert issubclass(ShardUsageError, errors.UsageError)
+
+
+def test_guard_drop_takes_a_sharded_sample_s_name(tmp_path: Path) -> None:
+    assert skips.parse_samples("300, shard-000003.tar:p00042@1") == [(300, 0), ("shard-000003.tar:p00042", 1)]
+    with pytest.raises(ValueError, match=r"'p00042' is not a dataset index, a shard.tar:key name, or either @EPOCH"):
+        skips.parse_samples("300,p00042")
+    s = Shards(write_points(tmp_path), decode)
+    assert s.index_of(s.name(123)) == 123
+    with pytest.raises(ShardUsageError, match="guard.drop names shard-000000.tar:nope: no such sample"):
+        s.index_of("shard-000000.tar:nope")
 
 
 # -- writing --------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def test_resumes_at_other_world_sizes_and_worker_counts_train_the_same_global_ba
 def test_a_bad_sample_costs_one_rollback_and_is_named_by_its_key(tmp_path: Path) -> None:
     """Sample 300 (its key: 000000300) makes the loss of every step it is in NaN, over 3 guarded epochs: one
     rollback, one skip naming ``shard-...tar:000000300`` in the log, guard.jsonl and ``report``'s rollback lines;
-    the later epochs train without it."""
+    the later epochs train without it, and the run ends as one told the same by hand (``guard.drop=NAME@E``)."""
     write_poison_task(tmp_path)
     data_write(tmp_path, "task=poison_task.py:Poison", "--out", "shards", "--shards", "6")
     res = launch(
@@ -114,6 +114,15 @@ def test_a_bad_sample_costs_one_rollback_and_is_named_by_its_key(tmp_path: Path)
     assert name.startswith("shard-") and name.endswith(".tar:000000300"), skip
     assert f"sample(s) {name} (shard:key), left out of every later epoch" in res.stderr
     assert f"bad sample(s) {name}, left out of later epochs" in report.summary(read_history(run_dir))
+    # the same by hand, by name: the run ends where the guarded one did
+    (skipped,) = skip["steps"][:1]
+    by_hand = (f"guard.skip={skipped}", f"guard.drop={name}@{skip['bad_samples'][0][1]}", "run.name=byhand")
+    res = launch(
+        tmp_path, 1, *GUARDED, "train.epochs=3", "poison.shards=shards", "poison.ids=300", "poison.nan=true", *by_hand
+    )
+    assert res.returncode == EXIT_OK, res.stderr[-3000:]
+    assert not rows(tmp_path / "runs" / "byhand", "rollback")
+    assert same_weights(run_dir, tmp_path / "runs" / "byhand")
 
 
 def test_a_sample_changed_on_disk_ends_the_run_in_one_line_with_exit_65(tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ start-up included); its workers are stopped at the end of the pass.
 
 Bytes read per sample: ``read_bytes`` of ``/proc/self/io`` across the pass, which counts what the block
 layer read for this process and, once they have exited and been reaped, its DataLoader workers: page-cache
-misses with the kernel's read-ahead and the file system's metadata blocks. Not counted: inodes, directory
-entries and directory blocks the eviction could not drop (map-style opens a file per sample, so this
-favours it). n/a where the kernel does not keep the counter.
+misses with the kernel's read-ahead and the file system's metadata blocks. Inodes, directory entries and
+directory blocks stay cached (the eviction cannot drop them), so they are read once, not every pass: this
+favours map-style, which opens a file per sample. n/a where the kernel does not keep the counter.
 
 ``--memory``: also read ``--memory-reads`` samples (default 10^6) of a small shard set (200 shards of 50
 samples) through ``Shards.raw`` in this process, in the training order: RSS and the open-file and table

@@ -213,8 +213,10 @@ class GuardConfig:
     single steps, comma-separated, as the log counts steps. A skipped step moves the data on without an
     update; every other step keeps its batch."""
     drop: str | None = checked(
-        None, check=lambda v: v is None or bool(_drops(v)), expected="null or dataset indices like '300,512@2'"
+        None,
+        check=lambda v: v is None or bool(_drops(v)),
+        expected="null or samples like '300,512@2' (or shard.tar:key names)",
     )
-    """Samples never trained on, by hand (the guard adds those it finds bad): dataset indices, comma-separated,
-    each left out of every epoch, or from epoch E on with ``INDEX@E`` (epochs counted from 0, as metrics.jsonl
-    counts them). A sample left out leaves its global batch one smaller; every other sample keeps its place."""
+    """Samples never trained on, by hand (the guard adds those it finds bad): dataset indices (or, for
+    ``Shards``, ``shard.tar:key`` names as the guard names them), comma-separated, each left out of every
+    epoch, or from epoch E on with ``INDEX@E`` (epochs counted from 0, as metrics.jsonl counts them). A sample left out leaves its global batch one smaller; every other sample keeps its place."""

@@ -91,6 +91,15 @@ class Shards(Dataset):
         shard, i = self.locate(gid)
         return f"{self.catalog.paths[shard].name}:{self._table(shard).keys[i]}"
 
+    def index_of(self, name: str) -> int:
+        """The global sample id of ``shard.tar:key`` (``guard.drop`` by name); ShardUsageError when there is none."""
+        shard_name, _, key = name.partition(":")
+        shards = [n for n, p in enumerate(self.catalog.paths) if p.name == shard_name]
+        keys = self._table(shards[0]).keys if shards else []
+        if key not in keys:
+            raise ShardUsageError(f"guard.drop names {name}: no such sample in these shards (names are shard.tar:key)")
+        return self.catalog.offsets[shards[0]] + keys.index(key)
+
     def raw(self, gids: list[int]) -> list[dict[str, Any]]:
         """The samples ``gids`` as ``{ext: bytes, "__key__": key}``, in the order asked, each checked against its
         hash; neighbours in one shard read together."""

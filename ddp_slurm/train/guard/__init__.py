@@ -75,7 +75,8 @@ class Guard:
                 f"step of the run (1-{run.total_steps}): nothing would train; narrow guard.skip"
             )
         state["skips"], state["rollbacks"] = self.skips.as_list(), max(state["rollbacks"], len(self.flagged))
-        by_hand_samples = [list(p) for p in skips.parse_samples(self.cfg.drop)] if self.cfg.drop else []
+        by_hand = skips.parse_samples(self.cfg.drop) if self.cfg.drop else []
+        by_hand_samples = [[_index_of(run, who), epoch] for who, epoch in by_hand]
         state["samples"] = sorted({tuple(p) for p in state.get("samples", []) + noted_samples + by_hand_samples})
         state["samples"] = [list(p) for p in state["samples"]]
         self.part.value = state
@@ -314,3 +315,12 @@ class _Replay:
 def _sharded(run: Any) -> bool:
     """Whether the run's data names its samples (shards: ``shard.tar:key``); others go by dataset index."""
     return hasattr(getattr(run.batches, "dataset", None), "name")
+
+
+def _index_of(run: Any, who: int | str) -> int:
+    """The dataset index of a sample given by hand (``guard.drop``): an index, or a sharded sample's name."""
+    if isinstance(who, int):
+        return who
+    if not _sharded(run):
+        raise errors.UsageError(f"guard.drop={who}: a shard.tar:key name, but this task's data is not Shards")
+    return run.batches.dataset.index_of(who)
