@@ -8,6 +8,8 @@ import gzip
 import io
 import json
 import os
+import re
+import shutil
 import tarfile
 import tracemalloc
 from array import array
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from ddp_slurm import Shards, data, errors, safefs, skips
 from ddp_slurm.shards import index, order
@@ -233,6 +236,70 @@ def test_guard_drop_takes_a_sharded_sample_s_name(tmp_path: Path) -> None:
     assert s.index_of(s.name(123)) == 123
     with pytest.raises(ShardUsageError, match="guard.drop names shard-000000.tar:nope: no such sample"):
         s.index_of("shard-000000.tar:nope")
+
+
+def _reseal(file: Path, change) -> None:
+    """The index rewritten with ``change(index)`` and sealed again with the project's own function: a forgery."""
+    body = index.unsealed(file.read_bytes(), file)
+    file.write_bytes(index.sealed(json.dumps(change(json.loads(body))).encode()))
+
+
+@pytest.mark.parametrize(
+    ("forge", "said"),
+    [
+        (lambda ix: {**ix, "shards": "all"}, "no list of shards"),
+        (lambda ix: {**ix, "shards": [{**ix["shards"][0], "name": "../../etc/passwd.tar"}]}, "shard name"),
+        (lambda ix: {**ix, "shards": [{**ix["shards"][0], "samples": -5}]}, "size, count or table"),
+        (lambda ix: {**ix, "shards": [{**ix["shards"][0], "size": "big"}]}, "a shard entry without"),
+    ],
+    ids=["not-a-list", "path-outside", "negative-count", "string-size"],
+)
+def test_a_forged_but_sealed_index_is_refused_in_one_line(tmp_path: Path, forge, said: str) -> None:
+    shards = write_points(tmp_path)
+    _reseal(shards / index.FOLDER / index.INDEX, forge)
+    with pytest.raises(ShardError, match=f"is damaged or not written by ddp-slurm \\(.*{said}"):
+        Shards(shards, decode)
+
+
+def test_a_forged_table_cannot_make_a_read_outside_its_shard(tmp_path: Path) -> None:
+    """The table rewritten with a huge range and its digest put in the re-sealed index: refused before any read."""
+    shards = write_points(tmp_path)
+    file = shards / index.FOLDER / index.INDEX
+    entry = json.loads(index.unsealed(file.read_bytes(), file))["shards"][0]
+    table = shards / index.FOLDER / index.TABLES / f"{entry['table']}.json"
+    t = json.loads(table.read_bytes())
+    t["end"][0] = 10**15
+    body = json.dumps(t).encode()
+    digest = xxhash.xxh3_128_hexdigest(body)
+    (table.parent / f"{digest}.json").write_bytes(body)
+    _reseal(file, lambda ix: {**ix, "shards": [{**ix["shards"][0], "table": digest}, *ix["shards"][1:]]})
+    s = Shards(shards, decode)
+    with pytest.raises(ShardError, match=r"range 0-1000000000000000 in a shard of \d+ bytes"):
+        s.raw([0])
+
+
+def test_planted_links_in_the_index_folder_are_not_written_through(tmp_path: Path) -> None:
+    shards = write_points(tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    shutil.rmtree(shards / index.FOLDER)
+    (shards / index.FOLDER).symlink_to(victim)
+    with pytest.raises(safefs.UnsafePath, match="symlink"):
+        index.build(shards)
+    assert list(victim.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"window": 0}, "window=0"),
+        ({"window": 2.5}, "window=2.5"),
+        ({"readahead_mb": float("nan")}, "readahead_mb=nan"),
+    ],
+)
+def test_bad_shards_arguments_are_one_line(tmp_path: Path, kwargs: dict, said: str) -> None:
+    with pytest.raises(ShardUsageError, match=re.escape(f"Shards({said})")):
+        Shards(tmp_path, decode, **kwargs)
 
 
 # -- writing --------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 from torch.utils.data import Dataset
 
+from ddp_slurm import safefs
 from ddp_slurm.shards import index
 from ddp_slurm.shards.errors import ShardError, ShardUsageError
 from ddp_slurm.shards.order import ShardOrder
@@ -57,8 +58,10 @@ class Shards(Dataset):
         stage: bool | str | Path = False,
         shared: bool = False,
     ) -> None:
-        if window < 1:
-            raise ShardUsageError(f"Shards(window={window}): a window holds at least one shard")
+        if not isinstance(window, int) or window < 1:
+            raise ShardUsageError(f"Shards(window={window!r}): a window holds a whole number of shards, 1 or more")
+        if not 0 <= readahead_mb < 1 << 20:  # NaN fails both
+            raise ShardUsageError(f"Shards(readahead_mb={readahead_mb!r}): expected megabytes, 0 (off) or more")
         self.decode, self.window, self.readahead = decode, window, int(readahead_mb * (1 << 20))
         self.catalog = index.load(path, shared)
         self.catalog.check()
@@ -194,7 +197,7 @@ def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
             "Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead"
         )
     into = Path(folder) / "ddp-slurm-shards"
-    into.mkdir(parents=True, exist_ok=True)
+    safefs.make_dir(into)  # a planted link there is refused
     copies = []
     for path, meta in zip(catalog.paths, catalog.meta):
         copy = into / f"{meta['table'][:16]}-{path.name}"
@@ -207,8 +210,7 @@ def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
             if fresh:
                 copies.append(copy)
                 continue
-        tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
-        shutil.copyfile(path, tmp)
-        os.replace(tmp, copy)
+        with path.open("rb") as src:  # an exclusive, unguessable temporary renamed into place (safefs)
+            safefs.write_atomic(copy, lambda f, src=src: shutil.copyfileobj(src, f, 16 << 20))
         copies.append(copy)
     return copies

@@ -19,7 +19,6 @@ import logging
 import os
 import stat
 from array import array
-from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -27,6 +26,7 @@ import xxhash
 from ddp_slurm import safefs
 from ddp_slurm.shards import tarscan
 from ddp_slurm.shards.errors import ShardError, ShardUsageError
+from ddp_slurm.shards.schema import Table, checked_entries, checked_table
 from ddp_slurm.train.checkpoint.seal import SLICE, XXH3
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ def build(folder: Path, shared: bool = False) -> dict:
     if not shards:
         raise ShardUsageError(f"{folder} holds no .tar shards")
     where = folder / FOLDER
-    safefs.make_dir(where / TABLES, shared)
+    safefs.make_dir(where, shared, parents=False)  # a planted link at either level is refused, never written through
+    safefs.make_dir(where / TABLES, shared, parents=False)
     entries, total = [], 0
     for n, shard in enumerate(shards):
         samples = tarscan.scan(shard)
@@ -119,17 +120,6 @@ def build(folder: Path, shared: bool = False) -> dict:
         if old.name not in keep:
             old.unlink(missing_ok=True)
     return {"folder": str(folder), "shards": len(entries), "samples": total}
-
-
-@dataclass
-class Table:
-    """One shard's samples, as the index recorded them."""
-
-    keys: list[str]
-    start: list[int]
-    end: list[int]
-    hash: list[str]
-    members: list[list[list]]
 
 
 class Catalog:
@@ -194,8 +184,7 @@ class Catalog:
         data = _read_trusted(file, self.shared)
         if data is None or xxhash.xxh3_128_hexdigest(data) != self.meta[shard]["table"]:
             raise ShardError(f"{file} is missing or damaged: run {command(path.parent)} again")
-        t = json.loads(data)
-        return Table(t["keys"], t["start"], t["end"], t["hash"], t["members"])
+        return checked_table(json.loads(data), self.meta[shard]["size"], file)
 
 
 def _read_trusted(path: Path, shared: bool) -> bytes | None:
@@ -221,9 +210,9 @@ def load(path: str | Path | list, shared: bool = False) -> Catalog:
                 raise ShardUsageError(f"{folder} is not a folder of shards")
             raise ShardUsageError(f"{folder} has no shard index: run {command(folder)} once (not inside a job)")
         index = json.loads(unsealed(data, file))
-        if index.get("format") != FORMAT:
-            raise ShardUsageError(f"{file} is of another format ({index.get('format')}): run {command(folder)} again")
-        for entry in index["shards"]:
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise ShardUsageError(f"{file} is not an index of this format: run {command(folder)} again")
+        for entry in checked_entries(index.get("shards"), file):
             indexed[folder / entry["name"]] = entry
         if wanted is None:
             on_disk = {p.name for p in folder.glob("*.tar")}

@@ -55,7 +55,9 @@ def write(
     if out.exists() and any(out.glob("*.tar")):
         raise errors.UsageError(f"{out} already holds shards: choose an empty --out folder (nothing is overwritten)")
     safefs.make_dir(out)
-    n_shards = shards or math.ceil(count / per_shard)
+    if per_shard < 1:
+        raise errors.UsageError(f"--samples-per-shard {per_shard}: 1 or more")
+    n_shards = shards if shards is not None else math.ceil(count / per_shard)
     if not 1 <= n_shards <= count:
         raise errors.UsageError(f"--shards {n_shards}: between 1 and the {count} samples")
     shuffle = Feistel(count, key(seed, 0, 0))
