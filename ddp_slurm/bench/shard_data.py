@@ -129,6 +129,39 @@ def disk_read_bytes() -> int | None:
     return None
 
 
+def _cgroup_files(v1: str, v2: str) -> list[Path]:
+    """This process's cgroup's ``v1`` file (blkio hierarchy) or ``v2`` file (unified), if it has its own."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if group.strip() in ("", "/"):
+            continue  # the root group holds every process of the machine: not this command's reads
+        if "blkio" in controllers.split(","):
+            found.append(Path("/sys/fs/cgroup/blkio") / group.strip().lstrip("/") / v1)
+        elif controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
+            found.append(Path("/sys/fs/cgroup") / group.strip().lstrip("/") / v2)
+    return [f for f in found if f.is_file()]
+
+
+def cgroup_read_requests() -> int | None:
+    """Read requests (bios) the disk was sent by this process's own cgroup (``benchmarks/throttled_disk.sh``
+    puts the command alone in one): v1 ``blkio.throttle.io_serviced``, v2 ``io.stat`` ``rios``; None in the
+    root group, whose counts are the whole machine's."""
+    for file in _cgroup_files("blkio.throttle.io_serviced", "io.stat"):
+        total = 0
+        for line in file.read_text().splitlines():
+            words = line.split()
+            if len(words) == 3 and words[1] == "Read":
+                total += int(words[2])
+            total += sum(int(w[5:]) for w in words if w.startswith("rios="))
+        return total
+    return None
+
+
 def read_throttle() -> list[str]:
     """The read limits of the cgroup this process runs in (``benchmarks/throttled_disk.sh --read``):
     cgroup v1 ``blkio.throttle.read_*_device`` lines or v2 ``io.max`` lines; empty when there is none."""

@@ -18,7 +18,9 @@ Bytes read per sample: ``read_bytes`` of ``/proc/self/io`` across the pass, whic
 layer read for this process and, once they have exited and been reaped, its DataLoader workers: page-cache
 misses with the kernel's read-ahead and the file system's metadata blocks. Inodes, directory entries and
 directory blocks stay cached (the eviction cannot drop them), so they are read once, not every pass: this
-favours map-style, which opens a file per sample. n/a where the kernel does not keep the counter.
+favours map-style, which opens a file per sample. n/a where the kernel does not keep the counter. Disk
+reads per sample: the read requests of this process's cgroup (under ``benchmarks/throttled_disk.sh``, which
+runs the command alone in one; n/a in the machine's root group, whose counts are everyone's).
 
 ``--memory``: also read ``--memory-reads`` samples (default 10^6) of a small shard set (200 shards of 50
 samples) through ``Shards.raw`` in this process, in the training order: RSS and the open-file and table
@@ -79,7 +81,7 @@ def read_pass(data: Any, files: list[Path], args: argparse.Namespace, steps: int
 
     sd.drop_cache(files)
     cfg = SimpleNamespace(workers=args.workers, prefetch=args.prefetch)
-    before, start = sd.disk_read_bytes(), time.perf_counter()
+    requests, before, start = sd.cgroup_read_requests(), sd.disk_read_bytes(), time.perf_counter()
     batches = loader.make_batches(data, torch.device("cpu"), 0, args.batch, 0, 1, cfg=cfg)
     if steps < batches.steps_per_epoch:  # the runtime's own step filter: steps past the count are not read
         batches.skip = lambda step: (step - 1) % batches.steps_per_epoch >= steps
@@ -93,7 +95,9 @@ def read_pass(data: Any, files: list[Path], args: argparse.Namespace, steps: int
     seconds = time.perf_counter() - start
     after = sd.disk_read_bytes()
     read = None if before is None or after is None else after - before
-    return {"samples": count, "seconds": seconds, "label_sum": labels, "disk_read_bytes": read}
+    requests_after = sd.cgroup_read_requests()
+    sent = None if requests is None or requests_after is None else requests_after - requests
+    return {"samples": count, "seconds": seconds, "label_sum": labels, "disk_read_bytes": read, "disk_reads": sent}
 
 
 def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
@@ -159,8 +163,9 @@ def payload_of(args, threads, passes, files_s, shards_s, n_shards, memory) -> di
         }
     )
     for side in ("map", "sharded"):
-        per = [p["disk_read_bytes"] / p["samples"] for p in passes[side] if p["disk_read_bytes"] is not None]
-        payload[f"{side}_disk_bytes_per_sample"] = common.summary(per) if per else None
+        for key, what in (("disk_read_bytes", "disk_bytes_per_sample"), ("disk_reads", "disk_reads_per_sample")):
+            per = [p[key] / p["samples"] for p in passes[side] if p[key] is not None]
+            payload[f"{side}_{what}"] = common.summary(per) if per else None
     if memory is not None:
         payload["memory"] = memory
     return payload
@@ -174,8 +179,9 @@ def render(p: dict[str, Any]) -> str:
     )
     rows = []
     for side, what in (("map", "(a) map-style: one file per sample"), ("sharded", f"(b) Shards: {q['shards']} shards")):
-        per = p[f"{side}_disk_bytes_per_sample"]
-        rows.append([what, *common.fmt_spread(p[f"{side}_samples_per_s"]), common.fmt(per and per["median"])])
+        per, reads = p[f"{side}_disk_bytes_per_sample"], p[f"{side}_disk_reads_per_sample"]
+        cells = [common.fmt(per and per["median"]), common.fmt(reads and reads["median"], 2)]
+        rows.append([what, *common.fmt_spread(p[f"{side}_samples_per_s"]), *cells])
     notes = [
         f"ratio (b)/(a) of the medians: {p['ratio']:.2f}x  (per round: "
         f"{', '.join(f'{r:.2f}' for r in p['ratio_per_round'])})",
@@ -194,5 +200,5 @@ def render(p: dict[str, Any]) -> str:
             f"after {last['reads']:,}; cached fds {first['cached_shard_fds']} -> {last['cached_shard_fds']}, tables "
             f"{first['cached_tables']} -> {last['cached_tables']}, open fds {first['open_fds']} -> {last['open_fds']}"
         )
-    headers = ["reading", "samples/s median", "min-max", "spread", "disk bytes/sample"]
+    headers = ["reading", "samples/s median", "min-max", "spread", "disk bytes/sample", "disk reads/sample"]
     return common.table(title, headers, rows, notes)

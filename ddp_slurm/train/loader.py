@@ -171,10 +171,12 @@ class StepSampler:
         steps = self._steps()
         for n, step in enumerate(steps):
             ids = order[rank_slice(step, self.global_batch, self.rank, self.world)]
-            if self.ahead is not None:  # the first step reads ahead up to the horizon, each later one step more
-                first = n + 1 if n == 0 else n + self.ahead_steps
-                for later in steps[first : n + self.ahead_steps + 1]:
-                    self.ahead(order[rank_slice(later, self.global_batch, self.rank, self.world)])
+            chunk = max(1, self.ahead_steps // 2)
+            if self.ahead is not None and n % chunk == 0:  # read ahead a chunk of steps at once: long reads
+                later = steps[n + 1 : n + 2 * chunk] if n == 0 else steps[n + chunk : n + 2 * chunk]
+                ahead = [i for s in later for i in order[rank_slice(s, self.global_batch, self.rank, self.world)]]
+                if ahead:
+                    self.ahead(ahead)
             yield [(self.epoch, i) for i in ids if i not in bad]
 
     def __len__(self) -> int:
