@@ -88,22 +88,32 @@ def test_a_global_batch_reads_the_shards_of_two_windows_at_most() -> None:
 
 
 def test_the_order_of_a_billion_samples_in_100000_shards_holds_under_4_mb() -> None:
-    """Measured with tracemalloc (``array`` and ints are Python allocations): what the order keeps once an
-    epoch is set up and a global batch is drawn, beside the shards' offsets it is given (the catalog's)."""
-    offsets = offsets_of([10_000] * 100_000)
-    assert offsets[-1] == 10**9
+    """Measured with tracemalloc (arrays, strings and ints are Python allocations): what the catalog of 10^5
+    shards keeps (paths, sizes, digests, first sample ids), and what the order keeps once an epoch is set up
+    and a global batch drawn (with the first sample ids it shares with the catalog)."""
+    folder = Path("/datasets/big/shards")
+    digests = {"ends": "0123456789abcdef", "table": "fedcba9876543210" * 2}
+    entries = [
+        (folder / f"shard-{i:06d}.tar", {"size": 10**9, "mtime_ns": i, "samples": 10_000, **digests})
+        for i in range(100_000)
+    ]
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
-        o = order.ShardOrder(offsets, 0, 8)
+        catalog = index.Catalog(entries)
+        middle = tracemalloc.take_snapshot()
+        o = order.ShardOrder(catalog.offsets, 0, 8)
         batch = o.epoch(3)[500_000_000 : 500_000_000 + 1024]
-        kept = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+        after = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
-    assert len(set(batch)) == 1024
-    held = kept + offsets.buffer_info()[1] * offsets.itemsize
-    print(f"order state at 10^9 samples, 10^5 shards: {held / 2**20:.2f} MiB (offsets included)")
-    assert held < 4 * 2**20, held
+    held = {
+        "catalog": sum(s.size_diff for s in middle.compare_to(before, "filename")),
+        "order": sum(s.size_diff for s in after.compare_to(middle, "filename")) + catalog.offsets.buffer_info()[1] * 8,
+    }
+    assert len(catalog) == 10**9 and catalog.path(77) == folder / "shard-000077.tar" and len(set(batch)) == 1024
+    print("at 10^9 samples in 10^5 shards: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in held.items()))
+    assert held["order"] < 4 * 2**20 and held["catalog"] < 10 * 2**20, held
 
 
 # -- the index and its checks ---------------------------------------------------------------------------
@@ -150,7 +160,7 @@ def test_a_changed_shard_is_one_line_and_exit_65_before_any_order(tmp_path: Path
         _flip(shard, shard.stat().st_size - 10)  # in the tar's closing blocks: no sample holds it
     if damage == "end flipped":  # the start check passes (size, mtime); opening the shard checks its ends
         s = Shards(shards, decode)
-        with pytest.raises(ShardError, match=r"shard-000003.tar changed since it was indexed \(its first or last"):
+        with pytest.raises(ShardError, match=r"shard-000003.tar changed since it was indexed \(its size or its first"):
             s.raw(list(range(s.catalog.offsets[3], s.catalog.offsets[4])))
         return
     with pytest.raises(ShardError) as exc:
@@ -385,7 +395,7 @@ def test_staged_copies_are_read_checked_and_made_once(tmp_path: Path, monkeypatc
     local = tmp_path / "node-local"
     s = Shards(shards, decode, stage=local)
     copies = sorted((local / "ddp-slurm-shards").glob("*.tar"))
-    assert len(copies) == SHARDS and sorted(s.files) == copies
+    assert len(copies) == SHARDS and sorted(s.staged) == copies
     assert [d["__key__"] for d in s.raw(list(range(len(s))))] == [s.name(g).split(":")[1] for g in range(len(s))]
     made = {c: c.stat().st_mtime_ns for c in copies}
     _flip(copies[0], copies[0].stat().st_size - 10)  # a stale copy: its end differs from the index
@@ -396,4 +406,4 @@ def test_staged_copies_are_read_checked_and_made_once(tmp_path: Path, monkeypatc
     with pytest.raises(ShardUsageError, match=r"stage=True\) needs \$SLURM_TMPDIR"):
         Shards(shards, decode, stage=True)
     monkeypatch.setenv("SLURM_TMPDIR", str(local))
-    assert Shards(shards, decode, stage=True).files == s.files
+    assert Shards(shards, decode, stage=True).staged == s.staged

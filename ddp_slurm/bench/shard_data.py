@@ -217,7 +217,7 @@ def memory_flatness(folder: Path, reads: int, seed: int, batch: int) -> dict[str
         epoch += 1
     return {
         "samples": len(shards),
-        "shards": len(shards.catalog.paths),
+        "shards": shards.catalog.shards,
         "window": shards.window,
         "marks": marks,
         "rss_growth_bytes": marks[-1]["rss_bytes"] - marks[0]["rss_bytes"],

@@ -66,9 +66,9 @@ class Shards(Dataset):
         self.decode, self.window, self.readahead = decode, window, int(readahead_mb * (1 << 20))
         self.catalog = index.load(path, shared)
         self.catalog.check()
-        self.files = list(self.catalog.paths)  # where the bytes are read from (a staged copy, or the shard)
+        self.staged: list[Path] | None = None  # where the bytes are read from, when not the shards themselves
         if stage:
-            self.files = _stage(self.catalog, os.environ.get("SLURM_TMPDIR", "") if stage is True else stage)
+            self.staged = _stage(self.catalog, os.environ.get("SLURM_TMPDIR", "") if stage is True else stage)
         self._pid = -1
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._tables: OrderedDict[int, index.Table] = OrderedDict()
@@ -93,12 +93,12 @@ class Shards(Dataset):
     def name(self, gid: int) -> str:
         """``shard.tar:key``: how the guard and the log name a sample."""
         shard, i = self.locate(gid)
-        return f"{self.catalog.paths[shard].name}:{self._table(shard).keys[i]}"
+        return f"{self.catalog.name(shard)}:{self._table(shard).keys[i]}"
 
     def index_of(self, name: str) -> int:
         """The global sample id of ``shard.tar:key`` (``guard.drop`` by name); ShardUsageError when there is none."""
         shard_name, _, key = name.partition(":")
-        shards = [n for n, p in enumerate(self.catalog.paths) if p.name == shard_name]
+        shards = [n for n in range(self.catalog.shards) if self.catalog.name(n) == shard_name]
         keys = self._table(shards[0]).keys if shards else []
         if key not in keys:
             raise ShardUsageError(f"guard.drop names {name}: no such sample in these shards (names are shard.tar:key)")
@@ -150,9 +150,9 @@ class Shards(Dataset):
             chunk = memoryview(data)[t.start[i] - first : t.end[i] - first]
             if len(chunk) != t.end[i] - t.start[i] or xxhash.xxh3_64_hexdigest(chunk) != t.hash[i]:
                 raise ShardError(
-                    f"sample {self.catalog.paths[shard].name}:{t.keys[i]} does not match its index (shard "
-                    f"{self.catalog.paths[shard]} was changed or damaged): restore the shard, or run "
-                    f"{index.command(self.catalog.paths[shard].parent)} if the change is yours"
+                    f"sample {self.catalog.name(shard)}:{t.keys[i]} does not match its index (shard "
+                    f"{self.catalog.path(shard)} was changed or damaged): restore the shard, or run "
+                    f"{index.command(self.catalog.path(shard).parent)} if the change is yours"
                 )
             sample: dict[str, Any] = {"__key__": t.keys[i]}
             for ext, offset, size in t.members[i]:
@@ -172,11 +172,7 @@ class Shards(Dataset):
         self._own()
         fd = self._fds.get(shard)
         if fd is None:
-            fd = self._fds[shard] = (
-                self.catalog.open(shard)
-                if self.files[shard] == self.catalog.paths[shard]
-                else (_open_copy(self.files[shard]))
-            )
+            fd = self._fds[shard] = self.catalog.open(shard, self.staged[shard] if self.staged else None)
             if len(self._fds) > self._keep():
                 os.close(self._fds.popitem(last=False)[1])
         self._fds.move_to_end(shard)
@@ -193,15 +189,10 @@ class Shards(Dataset):
         return table
 
 
-def _open_copy(path: Path) -> int:
-    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-
 def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
-    """Copies of the shards under ``folder`` (node-local disk), made once per node: a copy is written under a
-    temporary name and renamed, and one already there is kept when its size and ends match the index."""
-    from ddp_slurm.shards.tarscan import ends_hash
-
+    """Copies of the shards under ``folder`` (node-local disk), made once per node: a copy is written under an
+    exclusive temporary name and renamed, and one already there is kept when its size and ends match the
+    index (``Catalog.open`` checks them again whenever a process opens it)."""
     if not str(folder):
         raise ShardUsageError(
             "Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead"
@@ -209,18 +200,12 @@ def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
     into = Path(folder) / "ddp-slurm-shards"
     safefs.make_dir(into)  # a planted link there is refused
     copies = []
-    for path, meta in zip(catalog.paths, catalog.meta):
-        copy = into / f"{meta['table'][:16]}-{path.name}"
-        if copy.is_file() and not copy.is_symlink() and copy.stat().st_size == meta["size"]:
-            fd = _open_copy(copy)
-            try:
-                fresh = ends_hash(fd, meta["size"]) == meta["ends"]
-            finally:
-                os.close(fd)
-            if fresh:
-                copies.append(copy)
-                continue
-        with path.open("rb") as src:  # an exclusive, unguessable temporary renamed into place (safefs)
-            safefs.write_atomic(copy, lambda f, src=src: shutil.copyfileobj(src, f, 16 << 20))
+    for shard in range(catalog.shards):
+        copy = into / f"{catalog.table_digest(shard)[:16]}-{catalog.name(shard)}"
+        try:
+            os.close(catalog.open(shard, copy))  # there already, and the one indexed
+        except (FileNotFoundError, ShardError):
+            with catalog.path(shard).open("rb") as src:  # an exclusive, unguessable temporary renamed into place
+                safefs.write_atomic(copy, lambda f, src=src: shutil.copyfileobj(src, f, 16 << 20))
         copies.append(copy)
     return copies

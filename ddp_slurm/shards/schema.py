@@ -41,7 +41,8 @@ def checked_entries(shards: object, file: Path) -> list[dict]:
         name = entry["name"]
         if "/" in name or name.startswith(".") or not name.endswith(".tar"):
             raise _forged(file, f"shard name {name!r}")
-        if min(entry["size"], entry["samples"]) < 0 or not all(c in "0123456789abcdef" for c in entry["table"]):
+        digests = len(entry["ends"]) == 16 and len(entry["table"]) == 32
+        if min(entry["size"], entry["samples"]) < 0 or not digests or not _hex(entry["ends"] + entry["table"]):
             raise _forged(file, f"shard {name}'s size, count or table")
     return shards
 
@@ -68,3 +69,7 @@ def checked_table(t: object, size: int, file: Path) -> Table:
 
 def _int(v: object) -> bool:
     return type(v) is int
+
+
+def _hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)

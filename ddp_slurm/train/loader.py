@@ -320,8 +320,7 @@ class DatasetBatches:
 
 def _sample_bytes(dataset: Any) -> int:
     """A sample's mean size on disk (sharded data): what read-ahead in bytes is counted in."""
-    meta = dataset.catalog.meta
-    return sum(m["size"] for m in meta) // max(1, len(dataset))
+    return dataset.catalog.bytes // max(1, len(dataset))
 
 
 def make_batches(data: Any, device: torch.device, seed: int, global_batch: int, rank: int, world: int, *, cfg: Any):
