@@ -257,8 +257,8 @@ class DatasetBatches:
 
         self.device, self.global_batch, self.world = device, global_batch, world
         self.dataset = dataset
-        order = dataset.order(seed) if hasattr(dataset, "order") else None  # Shards bring their own
-        self.sampler = StepSampler(len(dataset), seed, global_batch, rank, world, order and order.epoch)  # type: ignore[arg-type]
+        own = dataset.order(seed).epoch if hasattr(dataset, "order") else None  # Shards bring their own order
+        self.sampler = StepSampler(len(dataset), seed, global_batch, rank, world, own)  # type: ignore[arg-type]
         if hasattr(dataset, "readahead_hint") and dataset.readahead > 0:
             per_step = max(1, global_batch // world) * max(1, _sample_bytes(dataset))
             steps = min(AHEAD_STEPS, max(1, dataset.readahead // per_step))
