@@ -101,7 +101,9 @@ def submit(d: Driver, job: Job, nodes: int, *train: str, sbatch: tuple[str, ...]
 
 
 def down_mid_run(d: Driver, job: Job, node: str = "node3") -> dict[str, Any]:
-    """Set ``node`` DOWN after the job's second checkpoint, wait for the relaunch, put it back, wait for the end."""
+    """Set ``node`` DOWN after the job's second checkpoint, wait for the relaunch, put it back, wait for the end.
+    The jobs run 3 epochs (about 300 steps): on an idle machine one epoch of the MLP ended within the second or
+    two between its second checkpoint and the DOWN, and the job completed before any relaunch."""
     d.wait_for(job, "two checkpoints", lambda: len(list((job.run_dir / "checkpoints").glob("step-*.pt"))) >= 2)
     lost = time.monotonic()
     d.cluster.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=test"], timeout=30)
@@ -117,7 +119,7 @@ def down_mid_run(d: Driver, job: Job, node: str = "node3") -> dict[str, Any]:
 
 
 def run_down(d: Driver) -> dict[str, Any]:
-    return down_mid_run(d, submit(d, Job("down", d.workdir), 4, "train.epochs=1", "dist.timeout_s=30"))
+    return down_mid_run(d, submit(d, Job("down", d.workdir), 4, "train.epochs=3", "dist.timeout_s=30"))
 
 
 RANGED = [
@@ -210,7 +212,7 @@ def run_headless(d: Driver) -> dict[str, Any]:
 
 def run_torchrun(d: Driver) -> dict[str, Any]:
     job = Job("torchrun", d.workdir)
-    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "train.epochs=1"]
+    args = [f"run.output_root={d.workdir / 'runs'}", f"run.name={job.name}", *TRAIN, "train.epochs=3"]
     script = str(REPO / "sbatch" / "mnist_torchrun.sh")
     d.submit(
         job, ["--nodes=3", "--exclude=node4", *ONE_PER_NODE, script, "--config", SAMPLE, *args, "dist.timeout_s=30"]
@@ -229,7 +231,7 @@ def run_submitted(d: Driver) -> dict[str, Any]:
     res = subprocess.run(
         [sys.executable, "-m", "ddp_slurm.submit", "--nodes", "3", "--tasks-per-node", "1", "--cpus-per-task", "1"]
         + ["--sbatch", "exclude=node4", "--config", SAMPLE, f"run.output_root={d.workdir / 'runs'}"]
-        + [f"run.name={job.name}", *TRAIN, "train.epochs=1", "dist.timeout_s=30"],
+        + [f"run.name={job.name}", *TRAIN, "train.epochs=3", "dist.timeout_s=30"],
         cwd=d.workdir,
         env={**d.cluster.env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
