@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,22 @@ def test_a_sample_changed_on_disk_ends_the_run_in_one_line_with_exit_65(tmp_path
     assert res.returncode == EXIT_DATA, res.stderr[-3000:]
     (line,) = [ln for ln in res.stderr.splitlines() if "ERROR" in ln]
     assert f"sample shard-000002.tar:{table.keys[60]} does not match its index" in line, line
+
+
+def test_a_resume_on_shards_written_again_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Stopped at step 6; the shards written again (the same points, another split into shards: another order).
+    The resume says so and starts nothing (exit 2); with the shards as they were it resumes."""
+    write_poison_task(tmp_path)
+    data_write(tmp_path, "task=poison_task.py:Poison", "--out", "shards", "--shards", "4")
+    res = launch(tmp_path, 1, *POINTS, "train.workers=0", "poison.signal_call=6", "run.name=moved")
+    assert res.returncode == EXIT_STOPPED, res.stderr[-3000:]
+    (tmp_path / "shards").rename(tmp_path / "kept")
+    data_write(tmp_path, "task=poison_task.py:Poison", "--out", "shards", "--shards", "5")
+    res = launch(tmp_path, 1, *POINTS, "train.workers=0", "poison.signal_call=6", "run.name=moved")
+    assert res.returncode == 2, res.stderr[-3000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if "ERROR" in ln]
+    assert "the shards under shards are not the ones" in line and "written or indexed again" in line, line
+    shutil.rmtree(tmp_path / "shards")
+    (tmp_path / "kept").rename(tmp_path / "shards")
+    res = launch(tmp_path, 1, *POINTS, "train.workers=0", "run.name=moved")
+    assert res.returncode == EXIT_OK, res.stderr[-3000:]

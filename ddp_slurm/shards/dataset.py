@@ -34,6 +34,7 @@ from ddp_slurm import safefs
 from ddp_slurm.shards import index
 from ddp_slurm.shards.errors import ShardError, ShardUsageError
 from ddp_slurm.shards.order import ShardOrder
+from ddp_slurm.train.checkpoint.parts import Part
 
 GAP = 64 << 10  # samples of one shard closer than this are read in one pread (the gap read and dropped)
 AHEAD_GAP = 1 << 20  # read-ahead hints closer than this are one hint: one long read for the disk
@@ -78,6 +79,10 @@ class Shards(Dataset):
 
     def __getitem__(self, gid: int) -> Any:
         return self.decode(self.raw([gid])[0])
+
+    def parts(self) -> list[Part]:
+        """What the checkpoint keeps of the data: its identity (``Identity``)."""
+        return [Identity(self.catalog.identity, str(self.catalog.path(0).parent))]
 
     def order(self, seed: int) -> ShardOrder:
         """The training order (``order.py``) for the run's seed."""
@@ -187,6 +192,27 @@ class Shards(Dataset):
                 self._tables.popitem(last=False)
         self._tables.move_to_end(shard)
         return table
+
+
+class Identity(Part):
+    """The shards a run trains on, by digest (``Catalog.identity``), in every checkpoint: a resume on shards
+    written or indexed again since (other samples, another split into shards) would silently train another
+    order, so it is refused in one line (exit 2). A checkpoint without it (not sharded data) is not judged."""
+
+    optional = {"data_identity": ((lambda v: isinstance(v, str)), "a digest")}
+
+    def __init__(self, digest: str, where: str) -> None:
+        self.digest, self.where = digest, where
+
+    def take(self, now: Any) -> dict[str, Any]:
+        return {"data_identity": self.digest}
+
+    def put(self, saved: dict[str, Any], how: Any) -> None:
+        if saved.get("data_identity", self.digest) != self.digest:
+            raise ShardUsageError(
+                f"the shards under {self.where} are not the ones {how.what} was trained on (written or indexed again "
+                "since): resume with those shards, or start a new run (another run.name) on these"
+            )
 
 
 def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:

@@ -144,6 +144,9 @@ class Catalog:
         self.offsets = array("q", [0])  # first global sample id of each shard, then the total
         for _, e in entries:
             self.offsets.append(self.offsets[-1] + e["samples"])
+        # What the data is, in one digest: the shards' names and order, each one's table (every sample's key, range
+        # and hash) and count. A resume on data with another identity would draw another order (``dataset.Identity``).
+        self.identity = xxhash.xxh3_128_hexdigest(self._names.encode() + self._digests[8:] + self.offsets.tobytes())
 
     def __len__(self) -> int:
         return self.offsets[-1]

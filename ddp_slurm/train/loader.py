@@ -302,6 +302,10 @@ class DatasetBatches:
             (i, to_device(default_collate([seeded[(epoch, i)]]), self.device)) for i in self.sampler.ids(epoch, step)
         ]
 
+    def parts(self) -> list[Any]:
+        """The checkpoint parts the data registers (``Shards``: its identity), none for other datasets."""
+        return list(self.dataset.parts()) if hasattr(self.dataset, "parts") else []
+
     def name(self, index: int) -> str:
         """How a sample is named to people: ``shard.tar:key`` for shards, the dataset index otherwise."""
         return self.dataset.name(index) if hasattr(self.dataset, "name") else str(index)
