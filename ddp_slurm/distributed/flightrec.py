@@ -83,7 +83,9 @@ def dump(rank: int, view: dict[str, Any], environ: dict[str, str] | os._Environ[
     trace["ddp_slurm"] = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **view}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        safefs.write_atomic(path, lambda f: pickle.dump(trace, f))
+        scratch = path.parent / ".partial"  # torch's analyser reads every name holding the prefix: a rank killed
+        safefs.make_dir(scratch, parents=False)  # mid-write would leave it a half file named like the others
+        safefs.write_atomic(path, lambda f: pickle.dump(trace, f), scratch=scratch)
     except OSError as exc:
         log.warning("could not write the flight-recorder dump %s: %s", path, exc)
         return None
