@@ -216,9 +216,10 @@ class Identity(Part):
 
 
 def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
-    """Copies of the shards under ``folder`` (node-local disk), made once per node: a copy is written under an
-    exclusive temporary name and renamed, and one already there is kept when its size and ends match the
-    index (``Catalog.open`` checks them again whenever a process opens it)."""
+    """Copies of the shards under ``folder`` (node-local disk): a copy is written under an exclusive temporary
+    name and renamed, and one already there is kept when its size and ends match the index (``Catalog.open``
+    checks them again whenever a process opens it). Each rank checks for itself: ranks of one node starting
+    together may each copy a shard (the same bytes, renamed atomically; no lock between them)."""
     if not str(folder):
         raise ShardUsageError(
             "Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead"
