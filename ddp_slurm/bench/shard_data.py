@@ -129,8 +129,9 @@ def disk_read_bytes() -> int | None:
     return None
 
 
-def _cgroup_files(v1: str, v2: str) -> list[Path]:
-    """This process's cgroup's ``v1`` file (blkio hierarchy) or ``v2`` file (unified), if it has its own."""
+def _cgroup_files(v1: tuple[str, ...], v2: str, root: bool = False) -> list[Path]:
+    """This process's cgroup's ``v1`` files (blkio hierarchy) or ``v2`` file (unified) that exist; the root
+    group (every process of the machine) only with ``root``."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -138,12 +139,13 @@ def _cgroup_files(v1: str, v2: str) -> list[Path]:
     found = []
     for line in lines:
         _, controllers, group = line.split(":", 2)
-        if group.strip() in ("", "/"):
+        group = group.strip().lstrip("/")
+        if not group and not root:
             continue  # the root group holds every process of the machine: not this command's reads
         if "blkio" in controllers.split(","):
-            found.append(Path("/sys/fs/cgroup/blkio") / group.strip().lstrip("/") / v1)
+            found += [Path("/sys/fs/cgroup/blkio") / group / name for name in v1]
         elif controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
-            found.append(Path("/sys/fs/cgroup") / group.strip().lstrip("/") / v2)
+            found.append(Path("/sys/fs/cgroup") / group / v2)
     return [f for f in found if f.is_file()]
 
 
@@ -151,7 +153,7 @@ def cgroup_read_requests() -> int | None:
     """Read requests (bios) the disk was sent by this process's own cgroup (``benchmarks/throttled_disk.sh``
     puts the command alone in one): v1 ``blkio.throttle.io_serviced``, v2 ``io.stat`` ``rios``; None in the
     root group, whose counts are the whole machine's."""
-    for file in _cgroup_files("blkio.throttle.io_serviced", "io.stat"):
+    for file in _cgroup_files(("blkio.throttle.io_serviced",), "io.stat"):
         total = 0
         for line in file.read_text().splitlines():
             words = line.split()
@@ -165,27 +167,13 @@ def cgroup_read_requests() -> int | None:
 def read_throttle() -> list[str]:
     """The read limits of the cgroup this process runs in (``benchmarks/throttled_disk.sh --read``):
     cgroup v1 ``blkio.throttle.read_*_device`` lines or v2 ``io.max`` lines; empty when there is none."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
+    v1 = tuple(f"blkio.throttle.read_{k}_device" for k in ("bps", "iops"))
     found = []
-    for line in lines:
-        _, controllers, group = line.split(":", 2)
-        if "blkio" in controllers.split(","):
-            names = [
-                Path("/sys/fs/cgroup/blkio") / group.lstrip("/") / f"blkio.throttle.read_{k}_device"
-                for k in ("bps", "iops")
-            ]
-        elif controllers == "":
-            names = [Path("/sys/fs/cgroup") / group.lstrip("/") / "io.max"]
-        else:
-            continue
-        for name in names:
-            try:
-                found += [f"{name.name}: {x}" for x in name.read_text().split("\n") if x.strip()]
-            except OSError:
-                pass
+    for file in _cgroup_files(v1, "io.max", root=True):
+        try:
+            found += [f"{file.name}: {x}" for x in file.read_text().split("\n") if x.strip()]
+        except OSError:
+            pass
     return found
 
 
