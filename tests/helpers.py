@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -166,3 +167,14 @@ def gpu_only(script: str) -> list:
 
     reason = f"needs a CUDA GPU (torch.cuda.is_available() is false); run {script} on one"
     return [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)]
+
+
+def flip_byte(path: Path, at: int) -> None:
+    """One byte of ``path`` flipped at ``at``, its size and mtime kept: only the bytes tell."""
+    st = path.stat()
+    with path.open("r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

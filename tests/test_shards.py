@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from helpers import flip_byte
 
 from ddp_slurm import Shards, data, errors, safefs, skips
 from ddp_slurm.shards import index, order
@@ -135,17 +136,6 @@ def test_a_shard_added_after_indexing_is_refused_until_indexed(tmp_path: Path) -
         Shards(shards, decode)
 
 
-def _flip(path: Path, at: int) -> None:
-    """One byte flipped at ``at``, the size and mtime kept: only the bytes tell."""
-    st = path.stat()
-    with path.open("r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 @pytest.mark.parametrize("damage", ["truncated", "touched", "deleted", "end flipped"])
 def test_a_changed_shard_is_one_line_and_exit_65_before_any_order(tmp_path: Path, damage: str) -> None:
     shards = write_points(tmp_path)
@@ -157,7 +147,7 @@ def test_a_changed_shard_is_one_line_and_exit_65_before_any_order(tmp_path: Path
     elif damage == "deleted":
         shard.unlink()
     else:
-        _flip(shard, shard.stat().st_size - 10)  # in the tar's closing blocks: no sample holds it
+        flip_byte(shard, shard.stat().st_size - 10)  # in the tar's closing blocks: no sample holds it
     if damage == "end flipped":  # the start check passes (size, mtime); opening the shard checks its ends
         s = Shards(shards, decode)
         with pytest.raises(ShardError, match=r"shard-000003.tar changed since it was indexed \(its size or its first"):
@@ -174,7 +164,7 @@ def test_a_flipped_byte_inside_a_sample_is_caught_before_decode_names_its_key(tm
     s = Shards(shards, decode)
     table = s.catalog.table(2)
     at = table.start[5] + table.members[5][0][1]  # the first member's data of the shard's sixth sample
-    _flip(shards / "shard-000002.tar", at)
+    flip_byte(shards / "shard-000002.tar", at)
     s = Shards(shards, decode)  # the start check passes: same size, same mtime
     gid = s.catalog.offsets[2] + 5
     s.raw([gid - 1])  # its neighbour still reads
@@ -398,7 +388,7 @@ def test_staged_copies_are_read_checked_and_made_once(tmp_path: Path, monkeypatc
     assert len(copies) == SHARDS and sorted(s.staged) == copies
     assert [d["__key__"] for d in s.raw(list(range(len(s))))] == [s.name(g).split(":")[1] for g in range(len(s))]
     made = {c: c.stat().st_mtime_ns for c in copies}
-    _flip(copies[0], copies[0].stat().st_size - 10)  # a stale copy: its end differs from the index
+    flip_byte(copies[0], copies[0].stat().st_size - 10)  # a stale copy: its end differs from the index
     Shards(shards, decode, stage=local)
     assert copies[0].stat().st_mtime_ns != made[copies[0]]  # made again
     assert all(c.stat().st_mtime_ns == made[c] for c in copies[1:])  # the others kept

@@ -6,7 +6,6 @@ world size; a changed shard ends the run in one line (exit 65); a bad sample cos
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from conftest import base_env
 from guard_helpers import GUARDED, global_batches, same_weights, write_poison_task
+from helpers import flip_byte
 
 from ddp_slurm.exitcodes import EXIT_DATA, EXIT_OK, EXIT_STOPPED
 from ddp_slurm.shards import index
@@ -134,13 +134,7 @@ def test_a_sample_changed_on_disk_ends_the_run_in_one_line_with_exit_65(tmp_path
     shard = tmp_path / "shards" / "shard-000002.tar"
     table = index.load(tmp_path / "shards").table(2)
     at = table.start[60] + table.members[60][0][1]  # the first member's data of the shard's 61st sample
-    st = shard.stat()
-    with shard.open("r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_byte(shard, at)
     res = launch(tmp_path, 1, *POINTS, "train.workers=1", "run.name=flipped")
     assert res.returncode == EXIT_DATA, res.stderr[-3000:]
     (line,) = [ln for ln in res.stderr.splitlines() if "ERROR" in ln]
