@@ -5,7 +5,8 @@ queue), the rest spend it computing; run one after the other they took about 43 
 by side the waits of one are the other's compute. Each run writes its own log; both are printed whole when
 both have ended (cluster first), then one closing line that sums them. The exit status is the first
 non-zero of the two (pytest's 5, "no tests collected", counts as a failure: a suite that ran nothing did
-not pass).
+not pass). A green suite removes its temporary root (logs included: they were printed); a red one keeps
+it and says where.
 
     python tests/run_suite.py [PYTEST_ARGS...]   # the arguments go to both runs
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER = "tests/cluster"
 # Where the time goes, in CI's own log: the slowest tests of each run.
 DURATIONS = "--durations=15"
+# The most the suite holds at once is about two gigabytes per lane (one test's checkpoints); ask for headroom.
+MIN_FREE_GIB = 4
 COUNTED = ("passed", "failed", "skipped", "errors", "error", "xfailed", "xpassed")
 
 
@@ -48,6 +52,11 @@ def main(argv: list[str]) -> int:
         "rest": [f"--ignore={CLUSTER}", *argv],
     }
     logs = Path(tempfile.mkdtemp(prefix="ddp-slurm-suite-"))
+    # a full disk fails tests far from the cause (a checkpoint write in one, a fixture in the next): say it first
+    free_gib = shutil.disk_usage(logs).free / 2**30
+    print(f"temporary root {logs}: {free_gib:.1f} GiB free", flush=True)
+    if free_gib < MIN_FREE_GIB:
+        print(f"WARNING: under {MIN_FREE_GIB} GiB free where the suite writes; tests may fail with ENOSPC", flush=True)
     began = time.monotonic()
     started = {}
     for name, args in runs.items():
@@ -70,7 +79,12 @@ def main(argv: list[str]) -> int:
     print(f"\nboth runs ended in {minutes:.1f} min; exit codes: {codes}")
     failed = total.get("failed", 0) + sum(1 for code in codes.values() if code not in (0, 1))
     print(f"suite: {total.get('passed', 0)} passed, {failed} failed, {total.get('skipped', 0)} skipped", flush=True)
-    return next((code for code in codes.values() if code != 0), 0)
+    status = next((code for code in codes.values() if code != 0), 0)
+    if status == 0:
+        shutil.rmtree(logs, ignore_errors=True)
+    else:
+        print(f"kept for inspection: {logs}", flush=True)
+    return status
 
 
 if __name__ == "__main__":
