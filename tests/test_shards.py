@@ -10,9 +10,13 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tarfile
 import tracemalloc
 from array import array
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 
 import pytest
@@ -370,6 +374,32 @@ def test_global_batches_are_the_same_at_any_world_size_and_worker_count(tmp_path
     assert global_batches(shards, 2, 2, 1, 0) == whole
     assert global_batches(shards, 3, 3, 1, 4) == whole[4:]  # a mid-epoch resume at another world size
     assert global_batches(shards, 1, 0, 2, 0) != whole
+
+
+def test_ranks_of_a_node_take_turns_staging_and_a_planted_lock_link_is_refused(tmp_path: Path) -> None:
+    shards = write_points(tmp_path)
+    into = tmp_path / "node-local" / "ddp-slurm-shards"
+    safefs.make_dir(into)
+    hold = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold + "; print('held', flush=True); sys.stdin.read()", str(into / ".lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "held\n"  # another rank of the node is staging
+    with ThreadPoolExecutor(1) as pool:
+        staging = pool.submit(Shards, shards, decode, stage=into.parent)
+        with pytest.raises(FuturesTimeout):
+            staging.result(timeout=1)  # it waits its turn: nothing copied beside the holder
+        assert not list(into.glob("*.tar"))
+        holder.stdin.close()  # the holder ends; the kernel drops its lock
+        assert len(staging.result(timeout=120).staged) == SHARDS
+    holder.wait()
+    (into / ".lock").unlink()
+    (into / ".lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(safefs.UnsafePath, match=r"\.lock is a symlink"):
+        Shards(shards, decode, stage=into.parent)
 
 
 def test_a_worker_keeps_a_few_windows_of_tables_and_files(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ so a worker's memory does not grow with the samples it reads.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from bisect import bisect_right
@@ -218,21 +219,27 @@ class Identity(Part):
 def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
     """Copies of the shards under ``folder`` (node-local disk): a copy is written under an exclusive temporary
     name and renamed, and one already there is kept when its size and ends match the index (``Catalog.open``
-    checks them again whenever a process opens it). Each rank checks for itself: ranks of one node starting
-    together may each copy a shard (the same bytes, renamed atomically; no lock between them)."""
+    checks them again whenever a process opens it). The ranks of one node take turns on a POSIX lock
+    (``.lock`` beside the copies): the first copies, the others wait and find the copies made. The kernel
+    drops the lock of a rank that dies, so a killed job never leaves the folder locked."""
     if not str(folder):
         raise ShardUsageError(
             "Shards(stage=True) needs $SLURM_TMPDIR (set inside a Slurm job): pass stage=FOLDER instead"
         )
     into = Path(folder) / "ddp-slurm-shards"
     safefs.make_dir(into)  # a planted link there is refused
-    copies = []
-    for shard in range(catalog.shards):
-        copy = into / f"{catalog.table_digest(shard)[:16]}-{catalog.name(shard)}"
-        try:
-            os.close(catalog.open(shard, copy))  # there already, and the one indexed
-        except (FileNotFoundError, ShardError):
-            with catalog.path(shard).open("rb") as src:  # an exclusive, unguessable temporary renamed into place
-                safefs.write_atomic(copy, lambda f, src=src: shutil.copyfileobj(src, f, 16 << 20))
-        copies.append(copy)
-    return copies
+    lock = safefs.open_owned(into / ".lock", os.O_RDWR)  # a symlink or another user's file is refused
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # a POSIX lock: it belongs to this process, not to forked workers
+        copies = []
+        for shard in range(catalog.shards):
+            copy = into / f"{catalog.table_digest(shard)[:16]}-{catalog.name(shard)}"
+            try:
+                os.close(catalog.open(shard, copy))  # there already, and the one indexed
+            except (FileNotFoundError, ShardError):
+                with catalog.path(shard).open("rb") as src:  # an exclusive, unguessable temporary renamed into place
+                    safefs.write_atomic(copy, lambda f, src=src: shutil.copyfileobj(src, f, 16 << 20))
+            copies.append(copy)
+        return copies
+    finally:
+        os.close(lock)  # closing drops the lock
