@@ -131,12 +131,13 @@ def write_atomic(
     machines whose host backs guest memory on first touch: 512 MiB in 2.2 s instead of 0.4 s).
 
     ``scratch``: where the temporary file lives instead (a folder on the same file system), for a folder
-    whose readers take every name holding some prefix (a killed writer would leave its temporary there).
+    whose readers take every name holding some prefix, subfolders included (a killed writer would leave its
+    temporary there): there the temporary's name does not hold ``final``'s.
     """
     final = Path(final)
     tmp = temp_name(final)
-    if scratch is not None:  # a folder of its own on the same file system: nothing half-written beside ``final``
-        tmp = Path(scratch) / tmp.name
+    if scratch is not None:  # a folder of its own, and a name of its own: nothing half-written a reader takes
+        tmp = temp_name(Path(scratch) / "write")
     try:
         with os.fdopen(open_new(tmp, shared), "wb") as f:
             write(f)

@@ -1,6 +1,7 @@
 """The flight-recorder dump (``distributed/flightrec.py``): a rank killed while it writes its dump leaves
-nothing named like a dump beside the others (torch's analyser reads every file holding the prefix, and
-once failed on a half-written ``.123.0-rank3.tmp-...``)."""
+nothing named like a dump anywhere in the folder (torch's analyser walks it, subfolders included, and reads
+every file whose name holds the prefix: it once failed on a half-written ``.123.0-rank3.tmp-...``, beside the
+dumps and then in the scratch folder)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,6 @@ def test_a_rank_killed_mid_dump_leaves_no_file_named_like_a_dump(tmp_path: Path)
     path = flightrec.dump(1, {"verdict": "whole"}, {flightrec.PREFIX_VARS[0]: str(prefix)})
     assert path == Path(f"{prefix}1") and path.stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [".partial", "123.0-rank1"]
+    # what torch's analyser takes: os.walk over the folder, every file name holding the prefix
+    taken = [name for _, _, files in os.walk(tmp_path / "traces") for name in files if prefix.name in name]
+    assert taken == ["123.0-rank1"]

@@ -181,13 +181,15 @@ def assert_checkpoints_intact(before: dict[str, str], run_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- scenarios
 def kill_mid_training(d: Driver, job: Job, rank: int) -> tuple[int, str, dict[str, str], float]:
-    """Wait for two checkpoints, SIGKILL ``rank``; returns (pid, its node, checkpoints before, monotonic time)."""
+    """Wait for two checkpoints, SIGKILL ``rank``; returns (pid, its node, checkpoints at the kill, monotonic time)."""
     d.wait_for(job, "two checkpoints", lambda: len(checkpoint.list_checkpoints(job.run_dir)) >= 2)
     pid = d.wait_for(job, f"rank {rank}'s process", lambda: training_rank(job.job_id, rank))
     node = environ_of(pid).get("SLURMD_NODENAME", "?")
-    before = helpers.checkpoint_files(job.run_dir)
     os.kill(pid, signal.SIGKILL)
-    return pid, node, before, time.monotonic()
+    killed = time.monotonic()
+    # listed after the kill: hashing them before it gave training time to write newer ones than those listed (the
+    # relaunch then resumed from a step the test had not seen); after it, only a write in flight can still finish
+    return pid, node, helpers.checkpoint_files(job.run_dir), killed
 
 
 def run_killed_srun(d: Driver) -> dict[str, Any]:
