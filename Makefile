@@ -52,7 +52,7 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The cluster tests and the rest run side by side (tests/run_suite.py); PYTEST_ARGS go to both.
+# The cluster tests (then a few others) and the rest run side by side (tests/run_suite.py); PYTEST_ARGS go to both.
 test: $(VENV)/.installed-test system-packages lint
 	$(VENV)/bin/python tests/run_suite.py $(PYTEST_ARGS)
 
