@@ -21,10 +21,13 @@ from ddp_slurm.train.rundir import RunLock
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 1-rank Line run of 24 steps (an evaluation per epoch of 8) with checkpoints every 4 steps."""
+    """A finished 1-rank Line run of 24 steps (an evaluation per epoch of 8) with checkpoints every 4 steps,
+    written synchronously (checkpoint.async=false, kept by the resumes too): the end of training cancels a
+    background write still in flight (step 20, on a loaded machine), and these tests count every step."""
     cwd = tmp_path_factory.mktemp("rewind")
     tasks_helpers.write_line_task(cwd)
     overrides = ["task=line_task.py:Line", *tasks_helpers.LINE_RUN, "checkpoint.every_steps=4", "checkpoint.keep=100"]
+    overrides += ["checkpoint.async=false"]
     Launcher(cwd).run(Launcher(cwd).cmd_train(*overrides, "run.name=line"), check=True)
     return cwd / "runs" / "line"
 

@@ -382,7 +382,7 @@ def test_ranks_of_a_node_take_turns_staging_and_a_planted_lock_link_is_refused(t
     safefs.make_dir(into)
     hold = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX)"
     holder = subprocess.Popen(
-        [sys.executable, "-c", hold + "; print('held', flush=True); sys.stdin.read()", str(into / ".lock")],
+        [sys.executable, "-c", hold + "; print('held', flush=True); sys.stdin.read()", str(into / ".staging-lock")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -396,9 +396,9 @@ def test_ranks_of_a_node_take_turns_staging_and_a_planted_lock_link_is_refused(t
         holder.stdin.close()  # the holder ends; the kernel drops its lock
         assert len(staging.result(timeout=120).staged) == SHARDS
     holder.wait()
-    (into / ".lock").unlink()
-    (into / ".lock").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(safefs.UnsafePath, match=r"\.lock is a symlink"):
+    (into / ".staging-lock").unlink()
+    (into / ".staging-lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(safefs.UnsafePath, match=r"\.staging-lock is a symlink"):
         Shards(shards, decode, stage=into.parent)
 
 

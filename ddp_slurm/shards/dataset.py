@@ -220,7 +220,7 @@ def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
     """Copies of the shards under ``folder`` (node-local disk): a copy is written under an exclusive temporary
     name and renamed, and one already there is kept when its size and ends match the index (``Catalog.open``
     checks them again whenever a process opens it). The ranks of one node take turns on a POSIX lock
-    (``.lock`` beside the copies): the first copies, the others wait and find the copies made. The kernel
+    (``.staging-lock`` beside the copies): the first copies, the others wait and find the copies made. The kernel
     drops the lock of a rank that dies, so a killed job never leaves the folder locked."""
     if not str(folder):
         raise ShardUsageError(
@@ -228,7 +228,7 @@ def _stage(catalog: index.Catalog, folder: str | Path) -> list[Path]:
         )
     into = Path(folder) / "ddp-slurm-shards"
     safefs.make_dir(into)  # a planted link there is refused
-    lock = safefs.open_owned(into / ".lock", os.O_RDWR)  # a symlink or another user's file is refused
+    lock = safefs.open_owned(into / ".staging-lock", os.O_RDWR)  # a symlink or another user's file is refused
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX)  # a POSIX lock: it belongs to this process, not to forked workers
         copies = []
